@@ -1,0 +1,346 @@
+//! The embedded backend: limit state in this process, exact for one instance.
+//!
+//! State is split over shards, each a mutex around a map; a request locks the shards of its
+//! keys in ascending order (so two requests can never deadlock), checks every hit, then
+//! charges. Locks are held for microseconds and never across an await. Expired state is
+//! equivalent to fresh state, so it is dropped lazily and by a periodic sweep, and a cap on
+//! live keys bounds memory whatever keys clients invent.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::{Backend, BackendError, Charging, Hit, Outcome, request_refused};
+use crate::algorithm::fixed_window::{self, FixedWindow};
+use crate::algorithm::sliding_window::{self, SlidingWindow};
+use crate::algorithm::token_bucket::{self, TokenBucket};
+use crate::algorithm::{Algorithm, Micros, Verdict};
+use crate::limit::{Algorithm as Kind, Limit};
+
+const SHARDS: usize = 64;
+
+/// Default cap on live keys.
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+enum KeyState {
+    Fixed(fixed_window::State),
+    Sliding(sliding_window::State),
+    Bucket(token_bucket::State),
+}
+
+struct Entry {
+    state: KeyState,
+    expires_at: Micros,
+}
+
+/// Ties an algorithm to its variant of `KeyState`.
+trait Stored: Algorithm {
+    fn get(state: &KeyState) -> Option<&Self::State>;
+    fn get_mut(state: &mut KeyState) -> Option<&mut Self::State>;
+    fn wrap(state: Self::State) -> KeyState;
+}
+
+macro_rules! stored {
+    ($algorithm:ty, $variant:ident) => {
+        impl Stored for $algorithm {
+            fn get(state: &KeyState) -> Option<&Self::State> {
+                match state {
+                    KeyState::$variant(s) => Some(s),
+                    _ => None,
+                }
+            }
+            fn get_mut(state: &mut KeyState) -> Option<&mut Self::State> {
+                match state {
+                    KeyState::$variant(s) => Some(s),
+                    _ => None,
+                }
+            }
+            fn wrap(state: Self::State) -> KeyState {
+                KeyState::$variant(state)
+            }
+        }
+    };
+}
+stored!(FixedWindow, Fixed);
+stored!(SlidingWindow, Sliding);
+stored!(TokenBucket, Bucket);
+
+type Shard = HashMap<String, Entry>;
+
+fn check<A: Stored>(entry: Option<&Entry>, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    let live = entry
+        .filter(|e| e.expires_at > now)
+        .and_then(|e| A::get(&e.state));
+    match live {
+        Some(state) => A::check(state, limit, now, hits),
+        None => A::check(&A::State::default(), limit, now, hits),
+    }
+}
+
+fn commit<A: Stored>(entry: &mut Entry, limit: &Limit, now: Micros, hits: u64) {
+    if entry.expires_at <= now || A::get(&entry.state).is_none() {
+        entry.state = A::wrap(A::State::default());
+    }
+    if let Some(state) = A::get_mut(&mut entry.state) {
+        A::commit(state, limit, now, hits);
+        entry.expires_at = A::expires_at(state, limit);
+    }
+}
+
+fn check_any(entry: Option<&Entry>, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    match limit.algorithm {
+        Kind::FixedWindow => check::<FixedWindow>(entry, limit, now, hits),
+        Kind::SlidingWindow => check::<SlidingWindow>(entry, limit, now, hits),
+        Kind::TokenBucket => check::<TokenBucket>(entry, limit, now, hits),
+    }
+}
+
+fn commit_any(entry: &mut Entry, limit: &Limit, now: Micros, hits: u64) {
+    match limit.algorithm {
+        Kind::FixedWindow => commit::<FixedWindow>(entry, limit, now, hits),
+        Kind::SlidingWindow => commit::<SlidingWindow>(entry, limit, now, hits),
+        Kind::TokenBucket => commit::<TokenBucket>(entry, limit, now, hits),
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // Entries are updated in place by plain arithmetic that cannot panic halfway, so a
+    // poisoned lock still guards consistent data.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn sweep(shards: &[Mutex<Shard>], now: Micros) -> usize {
+    shards
+        .iter()
+        .map(|shard| {
+            let mut shard = lock(shard);
+            shard.retain(|_, e| e.expires_at > now);
+            shard.len()
+        })
+        .sum()
+}
+
+fn now_micros() -> Micros {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as Micros)
+}
+
+/// In-process limit state. Cheap to clone: clones share the state.
+#[derive(Clone)]
+pub struct MemoryBackend {
+    shards: Arc<[Mutex<Shard>]>,
+    hasher: RandomState,
+    max_keys_per_shard: usize,
+}
+
+impl MemoryBackend {
+    pub fn new(max_keys: usize) -> MemoryBackend {
+        MemoryBackend {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect(),
+            hasher: RandomState::new(),
+            max_keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
+        }
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        self.hasher.hash_one(key) as usize % SHARDS
+    }
+
+    fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[index])
+    }
+
+    /// Drop every expired entry. Returns how many live entries remain.
+    pub fn sweep(&self) -> usize {
+        sweep(&self.shards, now_micros())
+    }
+
+    /// Sweep every `period` until the backend is dropped.
+    pub fn spawn_sweeper(&self, period: Duration) {
+        let shards = Arc::downgrade(&self.shards);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                let Some(shards) = shards.upgrade() else {
+                    return;
+                };
+                sweep(&shards, now_micros());
+            }
+        });
+    }
+
+    /// Evaluate synchronously: the whole work is a few map operations under locks.
+    pub fn evaluate_now(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+        now: Micros,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        let shard_of: Vec<usize> = hits.iter().map(|h| self.shard_of(&h.key)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| self.lock(i)).collect();
+        // Position of each hit's shard among the held guards.
+        let held: Vec<usize> = shard_of
+            .iter()
+            .map(|s| order.partition_point(|i| i < s))
+            .collect();
+
+        let verdicts: Vec<Verdict> = hits
+            .iter()
+            .zip(&held)
+            .map(|(h, &g)| check_any(guards[g].get(&h.key), &h.limit, now, h.hits))
+            .collect();
+        let charge = charging == Charging::PerDescriptor
+            || !request_refused(hits.iter().zip(&verdicts).map(|(h, v)| (h.role, v.admitted)));
+
+        if charge {
+            for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
+                if v.admitted && h.hits > 0 {
+                    self.charge(&mut guards[g], h, now)?;
+                }
+            }
+        }
+        Ok(verdicts
+            .into_iter()
+            .map(|v| Outcome {
+                admitted: v.admitted,
+                remaining: v.remaining,
+                reset_after: Duration::from_micros(v.reset_after),
+            })
+            .collect())
+    }
+
+    fn charge(&self, shard: &mut Shard, hit: &Hit, now: Micros) -> Result<(), BackendError> {
+        if let Some(entry) = shard.get_mut(&hit.key) {
+            commit_any(entry, &hit.limit, now, hit.hits);
+            return Ok(());
+        }
+        if shard.len() >= self.max_keys_per_shard {
+            shard.retain(|_, e| e.expires_at > now);
+            if shard.len() >= self.max_keys_per_shard {
+                return Err(BackendError::Full(format!(
+                    "more than {} live keys",
+                    self.max_keys_per_shard * SHARDS
+                )));
+            }
+        }
+        let mut entry = Entry {
+            state: KeyState::Fixed(fixed_window::State::default()),
+            expires_at: 0,
+        };
+        commit_any(&mut entry, &hit.limit, now, hit.hits);
+        shard.insert(hit.key.clone(), entry);
+        Ok(())
+    }
+}
+
+impl Backend for MemoryBackend {
+    async fn evaluate(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        self.evaluate_now(hits, charging, now_micros())
+    }
+
+    async fn ready(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Role;
+    use crate::limit::Unit;
+
+    const T0: Micros = 1_700_000_000_000_000;
+
+    fn hit(key: &str, limit: Limit, role: Role) -> Hit {
+        Hit {
+            key: key.into(),
+            limit,
+            hits: 1,
+            role,
+        }
+    }
+
+    fn admitted(outcomes: &[Outcome]) -> Vec<bool> {
+        outcomes.iter().map(|o| o.admitted).collect()
+    }
+
+    #[test]
+    fn a_refused_request_charges_none_of_its_hits() {
+        let b = MemoryBackend::new(100);
+        let wide = hit("wide", Limit::fixed(10, Unit::Minute), Role::Enforce);
+        let narrow = hit("narrow", Limit::fixed(1, Unit::Minute), Role::Enforce);
+        let both = [wide.clone(), narrow];
+        let first = b.evaluate_now(&both, Charging::Atomic, T0).unwrap();
+        assert_eq!(admitted(&first), [true, true]);
+        assert_eq!(first[0].remaining, 9);
+        let second = b.evaluate_now(&both, Charging::Atomic, T0).unwrap();
+        assert_eq!(admitted(&second), [true, false]);
+        // "wide" was not charged by the refused request.
+        let alone = b.evaluate_now(&[wide], Charging::Atomic, T0).unwrap();
+        assert_eq!(alone[0].remaining, 8);
+    }
+
+    #[test]
+    fn per_descriptor_charging_charges_admitted_hits_of_refused_requests() {
+        let b = MemoryBackend::new(100);
+        let wide = hit("wide", Limit::fixed(10, Unit::Minute), Role::Enforce);
+        let narrow = hit("narrow", Limit::fixed(0, Unit::Minute), Role::Enforce);
+        b.evaluate_now(&[wide.clone(), narrow], Charging::PerDescriptor, T0)
+            .unwrap();
+        let alone = b.evaluate_now(&[wide], Charging::Atomic, T0).unwrap();
+        assert_eq!(alone[0].remaining, 8);
+    }
+
+    #[test]
+    fn shadow_hits_never_refuse_the_request() {
+        let b = MemoryBackend::new(100);
+        let shadow = hit("s", Limit::fixed(0, Unit::Second), Role::Shadow);
+        let real = hit("r", Limit::fixed(5, Unit::Second), Role::Enforce);
+        b.evaluate_now(&[shadow, real.clone()], Charging::Atomic, T0)
+            .unwrap();
+        let alone = b.evaluate_now(&[real], Charging::Atomic, T0).unwrap();
+        assert_eq!(alone[0].remaining, 3, "charged once before");
+    }
+
+    #[test]
+    fn every_algorithm_runs_on_it_and_state_expires() {
+        let b = MemoryBackend::new(100);
+        for algorithm in Kind::ALL {
+            let limit = Limit {
+                algorithm,
+                ..Limit::fixed(1, Unit::Second)
+            };
+            let h = hit(algorithm.name(), limit, Role::Enforce);
+            let run = |now| b.evaluate_now(std::slice::from_ref(&h), Charging::Atomic, now);
+            assert!(run(T0).unwrap()[0].admitted, "{algorithm}");
+            assert!(!run(T0 + 1).unwrap()[0].admitted, "{algorithm}");
+        }
+        assert_eq!(b.sweep(), 0, "all state was of 2023 and has expired");
+    }
+
+    #[test]
+    fn the_key_cap_refuses_new_keys_but_not_known_ones() {
+        let b = MemoryBackend::new(1);
+        let limit = Limit::fixed(100, Unit::Day);
+        let now = now_micros();
+        let mut full = 0;
+        for i in 0..200 {
+            let h = hit(&format!("k{i}"), limit, Role::Enforce);
+            if b.evaluate_now(&[h], Charging::Atomic, now).is_err() {
+                full += 1;
+            }
+        }
+        assert!(full > 0, "a cap of 64 keys (one per shard) must refuse some of 200");
+        assert!(b.sweep() <= SHARDS);
+    }
+}

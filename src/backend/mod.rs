@@ -1,0 +1,109 @@
+//! Where limit state lives, behind one trait: a backend takes every hit of one request and
+//! evaluates them as one atomic step.
+//!
+//! Atomic per request is what lets a request refused by one descriptor consume nothing on
+//! its others. Backends differ only in where the state is (process memory, Redis) and whose
+//! clock they read; the arithmetic is the algorithms'.
+
+pub mod memory;
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::limit::Limit;
+
+/// How a hit's verdict bears on the request's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A refusal refuses the request.
+    Enforce,
+    /// Counted and reported, never refuses (`shadow_mode`).
+    Shadow,
+    /// Soft limit: the request is refused only when every quota hit of it is refused.
+    Quota,
+}
+
+/// One descriptor's share of a request: `hits` units against `limit` on the state `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hit {
+    pub key: String,
+    pub limit: Limit,
+    pub hits: u64,
+    pub role: Role,
+}
+
+/// When a request is refused, what its admitted hits cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Charging {
+    /// Nothing: the request is all or nothing (the default).
+    #[default]
+    Atomic,
+    /// Each admitted hit is charged whatever the others say, as the reference does.
+    PerDescriptor,
+}
+
+/// The verdict on one hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub admitted: bool,
+    pub remaining: u32,
+    /// Admitted: until the limit is back to full. Refused: until the same hit would pass.
+    pub reset_after: Duration,
+}
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum BackendError {
+    #[error("backend timed out")]
+    Timeout,
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    #[error("backend is full: {0}")]
+    Full(String),
+}
+
+/// Storage for limit state.
+pub trait Backend: Send + Sync + 'static {
+    /// Evaluate every hit of one request atomically; one outcome per hit, in order.
+    fn evaluate(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> impl Future<Output = Result<Vec<Outcome>, BackendError>> + Send;
+
+    /// Whether the backend answers now (for health checks).
+    fn ready(&self) -> impl Future<Output = bool> + Send;
+}
+
+/// Whether the request as a whole is refused, given each hit's role and admission: any
+/// enforced hit refused, or quota hits present and all of them refused. The Lua batch
+/// driver applies the same rule.
+pub fn request_refused(verdicts: impl IntoIterator<Item = (Role, bool)>) -> bool {
+    let (mut quota_seen, mut quota_all_refused) = (false, true);
+    for (role, admitted) in verdicts {
+        match role {
+            Role::Enforce if !admitted => return true,
+            Role::Quota => {
+                quota_seen = true;
+                quota_all_refused &= !admitted;
+            }
+            _ => {}
+        }
+    }
+    quota_seen && quota_all_refused
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Role::*;
+
+    #[test]
+    fn request_refusal_follows_roles() {
+        assert!(!request_refused([]));
+        assert!(!request_refused([(Enforce, true), (Shadow, false)]));
+        assert!(request_refused([(Enforce, true), (Enforce, false)]));
+        assert!(!request_refused([(Quota, false), (Quota, true)]));
+        assert!(request_refused([(Quota, false), (Quota, false)]));
+        assert!(request_refused([(Quota, true), (Enforce, false)]));
+    }
+}
