@@ -1,11 +1,23 @@
 //! turnstile: a global rate-limit service for Envoy and Istio.
 //!
-//! A request flows top to bottom through these modules: `service` receives it over gRPC,
-//! `request` validates it, `config` matches its descriptors against the rules, a `backend`
-//! evaluates the resulting hits atomically with an `algorithm`, and `response` builds the
-//! answer.
+//! A request flows top to bottom through these modules: `service` receives it (over gRPC,
+//! or HTTP `/json` via `admin`), `request` validates it, `plan` matches its descriptors
+//! against the `config` rules, a `backend` evaluates the hits atomically with an
+//! `algorithm`, and `response` builds the answer.
 
+pub mod active;
+pub mod admin;
 pub mod algorithm;
 pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod health;
+pub mod json;
 pub mod key;
 pub mod limit;
+pub mod metrics;
+pub mod plan;
+pub mod request;
+pub mod response;
+pub mod server;
+pub mod service;

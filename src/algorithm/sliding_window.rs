@@ -24,7 +24,9 @@ impl State {
     /// window after it was admitted).
     fn live(&self, limit: &Limit, now: Micros) -> impl Iterator<Item = &(Micros, u64)> {
         let horizon = now.saturating_sub(window_micros(limit));
-        self.entries.iter().skip_while(move |(at, _)| *at <= horizon)
+        self.entries
+            .iter()
+            .skip_while(move |(at, _)| *at <= horizon)
     }
 
     fn trim(&mut self, limit: &Limit, now: Micros) {
@@ -138,7 +140,10 @@ mod tests {
                 .iter()
                 .take_while(|&&at| at < start + SEC)
                 .count();
-            assert!(in_window <= 5, "{in_window} admissions within 1 s of {start}");
+            assert!(
+                in_window <= 5,
+                "{in_window} admissions within 1 s of {start}"
+            );
         }
         assert_eq!(admitted_at.len(), 15, "5 per second over 3 s");
     }

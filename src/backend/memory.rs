@@ -196,7 +196,11 @@ impl MemoryBackend {
             .map(|(h, &g)| check_any(guards[g].get(&h.key), &h.limit, now, h.hits))
             .collect();
         let charge = charging == Charging::PerDescriptor
-            || !request_refused(hits.iter().zip(&verdicts).map(|(h, v)| (h.role, v.admitted)));
+            || !request_refused(
+                hits.iter()
+                    .zip(&verdicts)
+                    .map(|(h, v)| (h.role, v.admitted)),
+            );
 
         if charge {
             for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
@@ -340,7 +344,10 @@ mod tests {
                 full += 1;
             }
         }
-        assert!(full > 0, "a cap of 64 keys (one per shard) must refuse some of 200");
+        assert!(
+            full > 0,
+            "a cap of 64 keys (one per shard) must refuse some of 200"
+        );
         assert!(b.sweep() <= SHARDS);
     }
 }

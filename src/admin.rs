@@ -1,0 +1,84 @@
+//! The admin HTTP port: `/healthcheck`, `/json`, `/rlconfig` and `/metrics`.
+//!
+//! Status codes follow the reference: `/healthcheck` 200 `OK` or 500; `/json` 200 for OK,
+//! 429 for OVER_LIMIT, 400 with the message for a bad body or a failed call.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+
+use crate::active::ActiveRules;
+use crate::backend::Backend;
+use crate::health::Health;
+use crate::json;
+use crate::metrics::Metrics;
+use crate::service::RateLimiter;
+
+pub struct Admin<B> {
+    pub limiter: Arc<RateLimiter<B>>,
+    pub rules: Arc<ActiveRules>,
+    pub health: Arc<Health>,
+    pub metrics: Arc<Metrics>,
+}
+
+pub fn router<B: Backend>(admin: Arc<Admin<B>>) -> Router {
+    Router::new()
+        .route("/healthcheck", get(healthcheck::<B>))
+        .route("/json", post(check_json::<B>))
+        .route("/rlconfig", get(rlconfig::<B>))
+        .route("/metrics", get(metrics::<B>))
+        .with_state(admin)
+}
+
+async fn healthcheck<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    if admin.health.serving() {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    }
+}
+
+async fn check_json<B: Backend>(State(admin): State<Arc<Admin<B>>>, body: Bytes) -> Response {
+    let request = match json::parse_request(&body) {
+        Ok(request) => request,
+        Err(error) => {
+            return (StatusCode::BAD_REQUEST, format!("Bad Request: {error}")).into_response();
+        }
+    };
+    match admin.limiter.check(&request).await {
+        Ok(response) => {
+            let status = if response.overall_code == Code::OverLimit as i32 {
+                StatusCode::TOO_MANY_REQUESTS
+            } else {
+                StatusCode::OK
+            };
+            (status, axum::Json(json::response_json(&response))).into_response()
+        }
+        Err(status) => (StatusCode::BAD_REQUEST, status.message().to_owned()).into_response(),
+    }
+}
+
+async fn rlconfig<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    let loaded = admin.rules.current();
+    let body = format!(
+        "# version {} loaded {}\n{}",
+        loaded.rules.version(),
+        humantime::format_rfc3339_seconds(loaded.loaded_at),
+        loaded.rules.describe()
+    );
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+}
+
+async fn metrics<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        admin.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,210 @@
+//! The command line. Every flag can also come from the environment; where the reference
+//! server has a variable for the same setting, it has the same name (GRPC_PORT, PORT,
+//! REDIS_URL, REDIS_TYPE, CACHE_KEY_PREFIX, SHADOW_MODE, LOG_LEVEL, ...).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "turnstile",
+    version,
+    about = "A global rate-limit service for Envoy and Istio"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the service.
+    Serve(Box<ServeArgs>),
+    /// Validate rule files: exit 0 with a summary, or 1 listing every error.
+    Check(CheckArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// A rules file, or a directory whose *.yaml / *.yml files are loaded.
+    #[arg(long, env = "TURNSTILE_CONFIG")]
+    pub config: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// State in this process: exact for one instance, no Redis needed.
+    Memory,
+    /// State in Redis, shared by every instance.
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RedisType {
+    Single,
+    Sentinel,
+    Cluster,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChargingArg {
+    /// A refused request charges none of its descriptors.
+    Atomic,
+    /// Each admitted descriptor is charged even when another refuses (the reference).
+    PerDescriptor,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HeadersArg {
+    Off,
+    /// RateLimit-Limit / -Remaining / -Reset, as the reference.
+    Legacy,
+    /// RateLimit-Policy and RateLimit (IETF draft).
+    Ietf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A rules file, or a directory whose *.yaml / *.yml files are loaded.
+    #[arg(long, env = "TURNSTILE_CONFIG")]
+    pub config: PathBuf,
+
+    /// gRPC listen host.
+    #[arg(long, env = "GRPC_HOST", default_value = "0.0.0.0")]
+    pub grpc_host: IpAddr,
+    /// gRPC listen port.
+    #[arg(long, env = "GRPC_PORT", default_value_t = 8081)]
+    pub grpc_port: u16,
+    /// gRPC listen address; overrides --grpc-host and --grpc-port.
+    #[arg(long, env = "TURNSTILE_GRPC_ADDR")]
+    pub grpc_addr: Option<SocketAddr>,
+
+    /// Admin HTTP listen host.
+    #[arg(long, env = "HOST", default_value = "0.0.0.0")]
+    pub http_host: IpAddr,
+    /// Admin HTTP listen port.
+    #[arg(long, env = "PORT", default_value_t = 8080)]
+    pub http_port: u16,
+    /// Admin HTTP listen address; overrides --http-host and --http-port.
+    #[arg(long, env = "TURNSTILE_HTTP_ADDR")]
+    pub http_addr: Option<SocketAddr>,
+
+    /// Where limit state lives.
+    #[arg(
+        long,
+        env = "BACKEND_TYPE",
+        value_enum,
+        ignore_case = true,
+        default_value = "memory"
+    )]
+    pub backend: BackendKind,
+
+    /// Redis address(es): redis:// or rediss:// URLs or host:port, comma-separated. For
+    /// Sentinel the first item is the master's name, then the sentinels (as the reference).
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+    #[arg(
+        long,
+        env = "REDIS_TYPE",
+        value_enum,
+        ignore_case = true,
+        default_value = "single"
+    )]
+    pub redis_type: RedisType,
+    /// Multiplexed Redis connections per instance.
+    #[arg(long, env = "REDIS_POOL_SIZE", default_value_t = 2)]
+    pub redis_connections: usize,
+    /// Bound on every Redis call; past it the call counts as failed.
+    #[arg(long, env = "TURNSTILE_REDIS_TIMEOUT", value_parser = duration, default_value = "25ms")]
+    pub redis_timeout: Duration,
+    /// Bound on connecting to Redis.
+    #[arg(long, env = "TURNSTILE_REDIS_CONNECT_TIMEOUT", value_parser = duration, default_value = "1s")]
+    pub redis_connect_timeout: Duration,
+    /// Prefix of every Redis key.
+    #[arg(long, env = "CACHE_KEY_PREFIX", default_value = "")]
+    pub cache_key_prefix: String,
+
+    /// What a refused request costs its other descriptors.
+    #[arg(long, env = "TURNSTILE_CHARGING", value_enum, default_value = "atomic")]
+    pub charging: ChargingArg,
+    /// Rate-limit headers in answers.
+    #[arg(
+        long,
+        env = "TURNSTILE_RESPONSE_HEADERS",
+        value_enum,
+        default_value = "off"
+    )]
+    pub response_headers: HeadersArg,
+    /// The reference's switch for its headers: same as --response-headers legacy.
+    #[arg(long, env = "LIMIT_RESPONSE_HEADERS_ENABLED")]
+    pub limit_response_headers_enabled: bool,
+    #[arg(long, env = "LIMIT_LIMIT_HEADER", default_value = "RateLimit-Limit")]
+    pub limit_limit_header: String,
+    #[arg(
+        long,
+        env = "LIMIT_REMAINING_HEADER",
+        default_value = "RateLimit-Remaining"
+    )]
+    pub limit_remaining_header: String,
+    #[arg(long, env = "LIMIT_RESET_HEADER", default_value = "RateLimit-Reset")]
+    pub limit_reset_header: String,
+    /// Answer OK even when over a limit (statuses still say OVER_LIMIT).
+    #[arg(long, env = "SHADOW_MODE")]
+    pub shadow_mode: bool,
+    /// Share of a limit past which hits count as near_limit in metrics.
+    #[arg(long, env = "NEAR_LIMIT_RATIO", default_value_t = 0.8)]
+    pub near_limit_ratio: f64,
+
+    /// Most descriptors in one request.
+    #[arg(long, env = "TURNSTILE_MAX_DESCRIPTORS", default_value_t = 64)]
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    #[arg(long, env = "TURNSTILE_MAX_ENTRIES", default_value_t = 32)]
+    pub max_entries: usize,
+    /// Longest domain, key or value, in bytes.
+    #[arg(long, env = "TURNSTILE_MAX_BYTES", default_value_t = 1024)]
+    pub max_bytes: usize,
+    /// Most live keys the memory backend holds.
+    #[arg(long, env = "TURNSTILE_MEMORY_MAX_KEYS", default_value_t = crate::backend::memory::DEFAULT_MAX_KEYS)]
+    pub memory_max_keys: usize,
+    /// Most metric series whose labels come from requests.
+    #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES)]
+    pub max_series: usize,
+
+    /// trace, debug, info, warn or error (or a tracing filter directive).
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    #[arg(
+        long,
+        env = "LOG_FORMAT",
+        value_enum,
+        ignore_case = true,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+            .unwrap_or(SocketAddr::new(self.grpc_host, self.grpc_port))
+    }
+
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+            .unwrap_or(SocketAddr::new(self.http_host, self.http_port))
+    }
+}

@@ -1,0 +1,245 @@
+//! Prometheus metrics under the reference's stat names, so existing dashboards keep working.
+//!
+//! The reference's statsd names (`ratelimit.service.rate_limit.<domain>.<key>.total_hits`)
+//! map to `ratelimit_service_rate_limit_total_hits{domain, key}`, as its default Prometheus
+//! mapping does. Series whose labels come from requests (detailed metrics, unknown domains)
+//! are capped: past the cap they fold into one `_overflow_` series, so clients cannot grow
+//! memory without bound.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use metrics::{Counter, Key, Label, Metadata, Recorder};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+use crate::backend::Outcome;
+
+/// Default cap on series whose labels come from requests.
+pub const DEFAULT_MAX_SERIES: usize = 10_000;
+
+const OVERFLOW: &str = "_overflow_";
+
+/// Per-rule counters, the reference's set plus `within_limit`.
+pub struct RuleCounters {
+    total_hits: Counter,
+    over_limit: Counter,
+    near_limit: Counter,
+    within_limit: Counter,
+    shadow_mode: Counter,
+}
+
+/// What one evaluated hit adds to its rule's counters.
+pub struct RuleHit<'a> {
+    pub outcome: &'a Outcome,
+    pub limit: u32,
+    pub hits: u64,
+    pub shadow: bool,
+}
+
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    near_limit_ratio: f64,
+    max_series: usize,
+    rules: Mutex<HashMap<String, Arc<RuleCounters>>>,
+    domains_not_found: Mutex<HashMap<String, Counter>>,
+    pub config_load_success: Counter,
+    pub config_load_error: Counter,
+    pub global_shadow_mode: Counter,
+    pub invalid_request: Counter,
+    pub backend_error: Counter,
+}
+
+/// A counter handle, registered directly on our recorder (no global recorder, so several
+/// services can live in one process, as in tests).
+fn counter(recorder: &PrometheusRecorder, name: &'static str, labels: Vec<Label>) -> Counter {
+    static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
+    recorder.register_counter(&Key::from_parts(name, labels), &METADATA)
+}
+
+impl Metrics {
+    pub fn new(near_limit_ratio: f64, max_series: usize) -> Metrics {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let plain = |name| counter(&recorder, name, Vec::new());
+        Metrics {
+            config_load_success: plain("ratelimit_service_config_load_success"),
+            config_load_error: plain("ratelimit_service_config_load_error"),
+            global_shadow_mode: plain("ratelimit_service_global_shadow_mode"),
+            invalid_request: counter(
+                &recorder,
+                "ratelimit_service_should_rate_limit_error",
+                vec![Label::new("err_type", "invalid_argument")],
+            ),
+            backend_error: counter(
+                &recorder,
+                "ratelimit_service_should_rate_limit_error",
+                vec![Label::new("err_type", "backend")],
+            ),
+            recorder,
+            handle,
+            near_limit_ratio,
+            max_series,
+            rules: Mutex::default(),
+            domains_not_found: Mutex::default(),
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+
+    /// Counters for a stats key `<domain>.<rest>`, created on first use.
+    pub fn rule(&self, stats_key: &str) -> Arc<RuleCounters> {
+        let mut rules = self.rules.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = rules.get(stats_key) {
+            return found.clone();
+        }
+        let stats_key = if rules.len() >= self.max_series {
+            match rules.get(OVERFLOW) {
+                Some(found) => return found.clone(),
+                None => OVERFLOW,
+            }
+        } else {
+            stats_key
+        };
+        let (domain, key) = stats_key.split_once('.').unwrap_or((stats_key, ""));
+        let make = |name| {
+            counter(
+                &self.recorder,
+                name,
+                vec![
+                    Label::new("domain", domain.to_owned()),
+                    Label::new("key", key.to_owned()),
+                ],
+            )
+        };
+        let counters = Arc::new(RuleCounters {
+            total_hits: make("ratelimit_service_rate_limit_total_hits"),
+            over_limit: make("ratelimit_service_rate_limit_over_limit"),
+            near_limit: make("ratelimit_service_rate_limit_near_limit"),
+            within_limit: make("ratelimit_service_rate_limit_within_limit"),
+            shadow_mode: make("ratelimit_service_rate_limit_shadow_mode"),
+        });
+        rules.insert(stats_key.to_owned(), counters.clone());
+        counters
+    }
+
+    /// Count one hit on a rule, with the reference's near-limit arithmetic: the part of an
+    /// admitted hit above `floor(limit * NEAR_LIMIT_RATIO)` is near the limit.
+    pub fn record(&self, counters: &RuleCounters, hit: RuleHit<'_>) {
+        counters.total_hits.increment(hit.hits);
+        if hit.outcome.admitted {
+            counters.within_limit.increment(hit.hits);
+            let limit = u64::from(hit.limit);
+            let after = limit.saturating_sub(u64::from(hit.outcome.remaining));
+            let before = after.saturating_sub(hit.hits);
+            let threshold = (limit as f64 * self.near_limit_ratio).floor() as u64;
+            counters
+                .near_limit
+                .increment(after.saturating_sub(threshold.max(before)));
+        } else {
+            counters.over_limit.increment(hit.hits);
+            if hit.shadow {
+                counters.shadow_mode.increment(hit.hits);
+            }
+        }
+    }
+
+    pub fn domain_not_found(&self, domain: &str) {
+        let mut domains = self
+            .domains_not_found
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = domains.get(domain) {
+            found.increment(1);
+            return;
+        }
+        let domain = if domains.len() >= self.max_series {
+            OVERFLOW
+        } else {
+            domain
+        };
+        domains
+            .entry(domain.to_owned())
+            .or_insert_with(|| {
+                counter(
+                    &self.recorder,
+                    "ratelimit_service_rate_limit_domain_not_found",
+                    vec![Label::new("domain", domain.to_owned())],
+                )
+            })
+            .increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn outcome(admitted: bool, remaining: u32) -> Outcome {
+        Outcome {
+            admitted,
+            remaining,
+            reset_after: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn rule_counters_follow_the_reference_arithmetic() {
+        let m = Metrics::new(0.8, 100);
+        let rule = m.rule("dom.key1_value1.subkey1");
+        // limit 10: the 9th and 10th hits are near the limit (threshold 8).
+        for remaining in (0..10).rev() {
+            let o = outcome(true, remaining);
+            m.record(
+                &rule,
+                RuleHit {
+                    outcome: &o,
+                    limit: 10,
+                    hits: 1,
+                    shadow: false,
+                },
+            );
+        }
+        let over = outcome(false, 0);
+        m.record(
+            &rule,
+            RuleHit {
+                outcome: &over,
+                limit: 10,
+                hits: 3,
+                shadow: true,
+            },
+        );
+        let text = m.render();
+        let line = |name: &str| {
+            let prefix = format!("{name}{{domain=\"dom\",key=\"key1_value1.subkey1\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+                .to_owned()
+        };
+        assert_eq!(line("ratelimit_service_rate_limit_total_hits"), "13");
+        assert_eq!(line("ratelimit_service_rate_limit_within_limit"), "10");
+        assert_eq!(line("ratelimit_service_rate_limit_near_limit"), "2");
+        assert_eq!(line("ratelimit_service_rate_limit_over_limit"), "3");
+        assert_eq!(line("ratelimit_service_rate_limit_shadow_mode"), "3");
+    }
+
+    #[test]
+    fn request_driven_series_are_capped() {
+        let m = Metrics::new(0.8, 3);
+        for i in 0..50 {
+            m.rule(&format!("d.user_{i}"));
+            m.domain_not_found(&format!("nope{i}"));
+        }
+        let text = m.render();
+        let series = |name: &str| text.lines().filter(|l| l.starts_with(name)).count();
+        assert_eq!(series("ratelimit_service_rate_limit_total_hits{"), 4);
+        assert_eq!(series("ratelimit_service_rate_limit_domain_not_found{"), 4);
+        assert!(text.contains(OVERFLOW));
+    }
+}

@@ -1,0 +1,159 @@
+//! The matching step: what each descriptor of a request asks of the backend.
+//!
+//! Every descriptor becomes a `Decision`: no limit, unlimited, or a hit on a limit. Hits go
+//! to the backend in one batch; `replaces` is applied across the whole request first, so a
+//! replaced rule is never counted. Two descriptors that name the same state share one hit
+//! (their costs added), so a request can never race itself.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+
+use crate::backend::{Hit, Role};
+use crate::config::{DomainRules, Rule, RuleSet};
+use crate::key::limit_key;
+use crate::limit::Limit;
+use crate::request::{CheckRequest, Descriptor};
+
+/// The rule (or request override) that governs a descriptor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Applied<'a> {
+    /// `current_limit.name` in the answer.
+    pub name: &'a str,
+    /// The stats key its counters are filed under.
+    pub stats_key: Cow<'a, str>,
+    pub limit: Limit,
+    pub role: Role,
+    /// Index of its hit in `Plan::hits`.
+    pub hit: usize,
+    /// This descriptor's own cost (a shared hit carries the sum).
+    pub cost: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision<'a> {
+    /// No rule matched (or the domain is unknown, or the rule was replaced).
+    NoLimit,
+    Unlimited,
+    Limited(Applied<'a>),
+}
+
+#[derive(Debug, Default)]
+pub struct Plan<'a> {
+    pub decisions: Vec<Decision<'a>>,
+    pub hits: Vec<Hit>,
+    /// The request named a domain no rules define.
+    pub unknown_domain: bool,
+}
+
+/// `<domain>.<key>_<value>.…` from the request's own values: the stats key of detailed
+/// metrics and of overrides.
+fn detailed_stats_key(domain: &str, descriptor: &Descriptor<'_>) -> String {
+    let mut key = domain.to_owned();
+    for (k, v) in &descriptor.entries {
+        key.push('.');
+        key.push_str(k);
+        key.push('_');
+        key.push_str(v);
+    }
+    key
+}
+
+impl<'a> Plan<'a> {
+    pub fn build(rules: &'a RuleSet, request: &CheckRequest<'_>) -> Plan<'a> {
+        let Some(domain) = rules.domain(request.domain) else {
+            return Plan {
+                decisions: vec![Decision::NoLimit; request.descriptors.len()],
+                hits: Vec::new(),
+                unknown_domain: true,
+            };
+        };
+        let matched: Vec<Option<&Rule>> = request
+            .descriptors
+            .iter()
+            .map(|d| match d.limit_override {
+                Some(_) => None,
+                None => domain.lookup(d.entries.iter().copied()),
+            })
+            .collect();
+        let replaced: HashSet<&str> = matched
+            .iter()
+            .flatten()
+            .flat_map(|rule| rule.replaces.iter().map(String::as_str))
+            .collect();
+
+        let mut plan = Plan::default();
+        for (descriptor, rule) in request.descriptors.iter().zip(matched) {
+            let decision = plan.decide(domain, descriptor, rule, &replaced);
+            plan.decisions.push(decision);
+        }
+        plan
+    }
+
+    fn decide(
+        &mut self,
+        domain: &'a DomainRules,
+        descriptor: &Descriptor<'_>,
+        rule: Option<&'a Rule>,
+        replaced: &HashSet<&str>,
+    ) -> Decision<'a> {
+        let (limit, applied) = match (descriptor.limit_override, rule) {
+            (Some(o), _) => {
+                let limit = Limit::fixed(o.requests_per_unit, o.unit);
+                let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor));
+                (limit, ("", stats_key, Role::Enforce))
+            }
+            (None, None) => return Decision::NoLimit,
+            (None, Some(rule)) => {
+                if rule.name.as_deref().is_some_and(|n| replaced.contains(n)) {
+                    return Decision::NoLimit;
+                }
+                let Some(limit) = rule.limit else {
+                    return Decision::Unlimited;
+                };
+                let stats_key = if rule.detailed_metric {
+                    Cow::Owned(detailed_stats_key(domain.name(), descriptor))
+                } else {
+                    Cow::Borrowed(rule.full_key.as_str())
+                };
+                let role = if rule.shadow_mode {
+                    Role::Shadow
+                } else if rule.quota_mode {
+                    Role::Quota
+                } else {
+                    Role::Enforce
+                };
+                (limit, (rule.name.as_deref().unwrap_or(""), stats_key, role))
+            }
+        };
+        let (name, stats_key, role) = applied;
+        let key = limit_key(
+            domain.name(),
+            descriptor.entries.iter().copied(),
+            descriptor.limit_override.map(|o| o.unit),
+            limit.algorithm,
+        );
+        let hit = match self.hits.iter().position(|h| h.key == key) {
+            Some(same) => {
+                self.hits[same].hits = self.hits[same].hits.saturating_add(descriptor.hits);
+                same
+            }
+            None => {
+                self.hits.push(Hit {
+                    key,
+                    limit,
+                    hits: descriptor.hits,
+                    role,
+                });
+                self.hits.len() - 1
+            }
+        };
+        Decision::Limited(Applied {
+            name,
+            stats_key,
+            limit,
+            role,
+            hit,
+            cost: descriptor.hits,
+        })
+    }
+}

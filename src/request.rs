@@ -1,0 +1,271 @@
+//! The first step of every call: turn a `RateLimitRequest` into a `CheckRequest` that is
+//! known to be well formed and bounded, or refuse it with `INVALID_ARGUMENT` and a message.
+//!
+//! Everything after this step may assume non-empty keys, bounded sizes, a valid override
+//! and a cost that fits the arithmetic, so nothing downstream can panic or grow on input.
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+use crate::limit::Unit;
+
+/// Size bounds on requests. Generous for Envoy's real descriptors, small enough that one
+/// request cannot cost much memory or CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub max_descriptors: usize,
+    pub max_entries: usize,
+    pub max_bytes: usize,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            max_descriptors: 64,
+            max_entries: 32,
+            max_bytes: 1024,
+        }
+    }
+}
+
+/// A request-supplied limit (`descriptor.limit`), validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Override {
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+}
+
+/// One validated descriptor; it borrows the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor<'r> {
+    pub entries: Vec<(&'r str, &'r str)>,
+    pub limit_override: Option<Override>,
+    /// Units this descriptor costs; 0 reads without charging.
+    pub hits: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckRequest<'r> {
+    pub domain: &'r str,
+    pub descriptors: Vec<Descriptor<'r>>,
+}
+
+/// Why a request is refused; the text is the gRPC status message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidRequest(pub String);
+
+fn check_len(what: impl FnOnce() -> String, text: &str, max: usize) -> Result<(), InvalidRequest> {
+    if text.len() > max {
+        return Err(InvalidRequest(format!(
+            "{} is {} bytes; the maximum is {max}",
+            what(),
+            text.len()
+        )));
+    }
+    Ok(())
+}
+
+impl<'r> CheckRequest<'r> {
+    pub fn parse(
+        request: &'r RateLimitRequest,
+        bounds: &Bounds,
+    ) -> Result<CheckRequest<'r>, InvalidRequest> {
+        // The first two texts are the reference's.
+        if request.domain.is_empty() {
+            return Err(InvalidRequest("rate limit domain must not be empty".into()));
+        }
+        check_len(|| "domain".into(), &request.domain, bounds.max_bytes)?;
+        if request.descriptors.is_empty() {
+            return Err(InvalidRequest(
+                "rate limit descriptor list must not be empty".into(),
+            ));
+        }
+        if request.descriptors.len() > bounds.max_descriptors {
+            return Err(InvalidRequest(format!(
+                "{} descriptors; the maximum is {}",
+                request.descriptors.len(),
+                bounds.max_descriptors
+            )));
+        }
+        // Envoy sends 0 when unset; the reference treats it as 1.
+        let request_hits = u64::from(request.hits_addend.max(1));
+        let descriptors = request
+            .descriptors
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Descriptor::parse(i, d, request_hits, bounds))
+            .collect::<Result<_, _>>()?;
+        Ok(CheckRequest {
+            domain: &request.domain,
+            descriptors,
+        })
+    }
+}
+
+impl<'r> Descriptor<'r> {
+    fn parse(
+        index: usize,
+        descriptor: &'r RateLimitDescriptor,
+        request_hits: u64,
+        bounds: &Bounds,
+    ) -> Result<Descriptor<'r>, InvalidRequest> {
+        let invalid = |what: String| InvalidRequest(format!("descriptor {index}: {what}"));
+        if descriptor.entries.is_empty() {
+            return Err(invalid("has no entries".into()));
+        }
+        if descriptor.entries.len() > bounds.max_entries {
+            return Err(invalid(format!(
+                "{} entries; the maximum is {}",
+                descriptor.entries.len(),
+                bounds.max_entries
+            )));
+        }
+        let mut entries = Vec::with_capacity(descriptor.entries.len());
+        for (j, entry) in descriptor.entries.iter().enumerate() {
+            if entry.key.is_empty() {
+                return Err(invalid(format!("entry {j} has an empty key")));
+            }
+            check_len(
+                || format!("descriptor {index}: entry {j} key"),
+                &entry.key,
+                bounds.max_bytes,
+            )?;
+            check_len(
+                || format!("descriptor {index}: entry {j} value"),
+                &entry.value,
+                bounds.max_bytes,
+            )?;
+            entries.push((entry.key.as_str(), entry.value.as_str()));
+        }
+        let limit_override = descriptor
+            .limit
+            .as_ref()
+            .map(|o| {
+                let unit = Unit::from_proto(o.unit).ok_or_else(|| {
+                    invalid(format!("limit override has an invalid unit ({})", o.unit))
+                })?;
+                if o.requests_per_unit == 0 {
+                    return Err(invalid("limit override has requests_per_unit 0".into()));
+                }
+                Ok(Override {
+                    requests_per_unit: o.requests_per_unit,
+                    unit,
+                })
+            })
+            .transpose()?;
+        // A descriptor's own addend wins, including 0 ("check only"). Costs are capped at
+        // u32::MAX: any larger cost is over every limit just the same. Negative hits (a
+        // refund Envoy may send when a stream ends) are not applied: the descriptor is
+        // read without charging.
+        let hits = if descriptor.is_negative_hits {
+            0
+        } else {
+            descriptor
+                .hits_addend
+                .map_or(request_hits, |h| h.value)
+                .min(u64::from(u32::MAX))
+        };
+        Ok(Descriptor {
+            entries,
+            limit_override,
+            hits,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+        Entry, RateLimitOverride,
+    };
+
+    fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: "d".into(),
+            descriptors,
+            hits_addend: 0,
+        }
+    }
+
+    fn error(r: &RateLimitRequest) -> String {
+        CheckRequest::parse(r, &Bounds::default()).unwrap_err().0
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_with_a_message() {
+        let mut r = request(vec![descriptor(&[("k", "v")])]);
+        r.domain.clear();
+        assert_eq!(error(&r), "rate limit domain must not be empty");
+        assert_eq!(
+            error(&request(vec![])),
+            "rate limit descriptor list must not be empty"
+        );
+        assert_eq!(
+            error(&request(vec![descriptor(&[])])),
+            "descriptor 0: has no entries"
+        );
+        assert_eq!(
+            error(&request(vec![
+                descriptor(&[("k", "v")]),
+                descriptor(&[("a", "b"), ("", "x")])
+            ])),
+            "descriptor 1: entry 1 has an empty key"
+        );
+        let long = "x".repeat(1025);
+        assert_eq!(
+            error(&request(vec![descriptor(&[("k", &long)])])),
+            "descriptor 0: entry 0 value is 1025 bytes; the maximum is 1024"
+        );
+        assert_eq!(
+            error(&request(vec![descriptor(&[("k", "v")]); 65])),
+            "65 descriptors; the maximum is 64"
+        );
+        let mut d = descriptor(&[("k", "v")]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 5,
+            unit: 0,
+        });
+        assert_eq!(
+            error(&request(vec![d.clone()])),
+            "descriptor 0: limit override has an invalid unit (0)"
+        );
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 0,
+            unit: 1,
+        });
+        assert_eq!(
+            error(&request(vec![d])),
+            "descriptor 0: limit override has requests_per_unit 0"
+        );
+    }
+
+    #[test]
+    fn hits_follow_the_reference_and_saturate() {
+        let mut r = request(vec![descriptor(&[("k", "v")]); 4]);
+        r.hits_addend = 0;
+        r.descriptors[1].hits_addend = Some(0);
+        r.descriptors[2].hits_addend = Some(u64::MAX);
+        r.descriptors[3].is_negative_hits = true;
+        let parsed = CheckRequest::parse(&r, &Bounds::default()).unwrap();
+        let hits: Vec<u64> = parsed.descriptors.iter().map(|d| d.hits).collect();
+        assert_eq!(hits, [1, 0, u64::from(u32::MAX), 0]);
+        r.hits_addend = 7;
+        let parsed = CheckRequest::parse(&r, &Bounds::default()).unwrap();
+        assert_eq!(parsed.descriptors[0].hits, 7);
+    }
+}

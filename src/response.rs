@@ -1,0 +1,216 @@
+//! The last step: from the plan and the backend's outcomes to a `RateLimitResponse`.
+//!
+//! One status per request descriptor, in order. `overall_code` is OVER_LIMIT when an
+//! enforced status is over, or when quota statuses exist and all are over; shadow statuses
+//! are reported as OK but keep their figures. Optional response headers describe the status
+//! closest to its limit, in the reference's trio or the IETF draft's pair.
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+
+use crate::backend::{Outcome, Role, request_refused};
+use crate::plan::{Applied, Decision, Plan};
+
+/// Which rate-limit headers the answer carries for Envoy to add to the client's response.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Headers {
+    #[default]
+    Off,
+    /// The reference's `RateLimit-Limit`/`-Remaining`/`-Reset` (names configurable).
+    Legacy {
+        limit: String,
+        remaining: String,
+        reset: String,
+    },
+    /// draft-ietf-httpapi-ratelimit-headers: `RateLimit-Policy` and `RateLimit`.
+    Ietf,
+}
+
+impl Headers {
+    pub fn legacy_defaults() -> Headers {
+        Headers::Legacy {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ResponseSettings {
+    pub headers: Headers,
+    /// Global shadow mode: an OVER_LIMIT answer is turned into OK (statuses keep theirs).
+    pub global_shadow: bool,
+}
+
+/// The answer, and whether global shadow mode let an over-limit request through.
+pub struct Built {
+    pub response: RateLimitResponse,
+    pub shadowed_globally: bool,
+}
+
+/// Microseconds, rounded up to whole milliseconds (a retry time must never be early).
+fn proto_duration(micros: u64) -> ProtoDuration {
+    let millis = micros.div_ceil(1_000);
+    ProtoDuration {
+        seconds: (millis / 1_000) as i64,
+        nanos: ((millis % 1_000) * 1_000_000) as i32,
+    }
+}
+
+fn seconds_up(d: &ProtoDuration) -> i64 {
+    d.seconds + i64::from(d.nanos > 0)
+}
+
+fn status(decision: &Decision<'_>, outcomes: &[Outcome]) -> DescriptorStatus {
+    match decision {
+        Decision::NoLimit => DescriptorStatus {
+            code: Code::Ok.into(),
+            ..Default::default()
+        },
+        Decision::Unlimited => DescriptorStatus {
+            code: Code::Ok.into(),
+            limit_remaining: u32::MAX,
+            ..Default::default()
+        },
+        Decision::Limited(applied) => limited_status(applied, &outcomes[applied.hit]),
+    }
+}
+
+fn limited_status(applied: &Applied<'_>, outcome: &Outcome) -> DescriptorStatus {
+    let over = !outcome.admitted && applied.role != Role::Shadow;
+    DescriptorStatus {
+        code: if over { Code::OverLimit } else { Code::Ok }.into(),
+        current_limit: Some(RateLimit {
+            name: applied.name.to_owned(),
+            requests_per_unit: applied.limit.requests_per_unit,
+            unit: applied.limit.unit.to_proto().into(),
+        }),
+        limit_remaining: outcome.remaining,
+        duration_until_reset: Some(proto_duration(outcome.reset_after.as_micros() as u64)),
+        ..Default::default()
+    }
+}
+
+pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings) -> Built {
+    let statuses: Vec<DescriptorStatus> =
+        plan.decisions.iter().map(|d| status(d, outcomes)).collect();
+    let over = request_refused(plan.decisions.iter().filter_map(|d| match d {
+        Decision::Limited(a) => Some((a.role, outcomes[a.hit].admitted)),
+        _ => None,
+    }));
+    let shadowed_globally = over && settings.global_shadow;
+    let response_headers_to_add = headers(plan, &statuses, &settings.headers);
+    Built {
+        response: RateLimitResponse {
+            overall_code: if over && !shadowed_globally {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            }
+            .into(),
+            statuses,
+            response_headers_to_add,
+            ..Default::default()
+        },
+        shadowed_globally,
+    }
+}
+
+/// The status the headers describe, as the reference picks it: the last enforced status
+/// that is over, else the limited status with the fewest remaining (first wins ties).
+fn headline<'p>(
+    plan: &'p Plan<'_>,
+    statuses: &[DescriptorStatus],
+) -> Option<(usize, &'p Applied<'p>)> {
+    let limited = || {
+        plan.decisions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| match d {
+                Decision::Limited(a) => Some((i, a)),
+                _ => None,
+            })
+    };
+    limited()
+        .filter(|(i, a)| a.role != Role::Quota && statuses[*i].code == Code::OverLimit as i32)
+        .next_back()
+        .or_else(|| {
+            limited().reduce(|best, next| {
+                if statuses[next.0].limit_remaining < statuses[best.0].limit_remaining {
+                    next
+                } else {
+                    best
+                }
+            })
+        })
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..Default::default()
+    }
+}
+
+fn headers(plan: &Plan<'_>, statuses: &[DescriptorStatus], style: &Headers) -> Vec<HeaderValue> {
+    if *style == Headers::Off {
+        return Vec::new();
+    }
+    let Some((index, applied)) = headline(plan, statuses) else {
+        return Vec::new();
+    };
+    let status = &statuses[index];
+    let quota = applied.limit.requests_per_unit;
+    let remaining = status.limit_remaining;
+    let reset = status.duration_until_reset.as_ref().map_or(0, seconds_up);
+    match style {
+        Headers::Off => Vec::new(),
+        Headers::Legacy {
+            limit: limit_name,
+            remaining: remaining_name,
+            reset: reset_name,
+        } => vec![
+            header(limit_name, quota.to_string()),
+            header(remaining_name, remaining.to_string()),
+            header(reset_name, reset.to_string()),
+        ],
+        Headers::Ietf => {
+            let policy = if applied.name.is_empty() {
+                "default"
+            } else {
+                applied.name
+            };
+            let window = applied.limit.unit.seconds();
+            vec![
+                header(
+                    "RateLimit-Policy",
+                    format!("\"{policy}\";q={quota};w={window}"),
+                ),
+                header("RateLimit", format!("\"{policy}\";r={remaining};t={reset}")),
+            ]
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_round_up_to_the_millisecond() {
+        let d = proto_duration(1_500_001);
+        assert_eq!((d.seconds, d.nanos), (1, 501_000_000));
+        assert_eq!(seconds_up(&d), 2);
+        let whole = proto_duration(58_000_000);
+        assert_eq!(
+            (whole.seconds, whole.nanos, seconds_up(&whole)),
+            (58, 0, 58)
+        );
+    }
+}

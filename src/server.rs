@@ -1,0 +1,163 @@
+//! Start-up and shutdown: load the rules, build the backend, serve gRPC and the admin HTTP
+//! port, and on SIGTERM/SIGINT report not-serving, stop accepting, finish in-flight calls.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::transport::server::TcpIncoming;
+
+use crate::active::ActiveRules;
+use crate::admin::{self, Admin};
+use crate::backend::memory::MemoryBackend;
+use crate::backend::{Backend, Charging};
+use crate::cli::{BackendKind, ChargingArg, HeadersArg, ServeArgs};
+use crate::config::{self, RuleSet};
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::request::Bounds;
+use crate::response::{Headers, ResponseSettings};
+use crate::service::{RateLimiter, Settings};
+
+const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
+const MEMORY_SWEEP_PERIOD: Duration = Duration::from_secs(1);
+
+fn settings(args: &ServeArgs) -> Settings {
+    let headers = match (args.response_headers, args.limit_response_headers_enabled) {
+        (HeadersArg::Ietf, _) => Headers::Ietf,
+        (HeadersArg::Legacy, _) | (HeadersArg::Off, true) => Headers::Legacy {
+            limit: args.limit_limit_header.clone(),
+            remaining: args.limit_remaining_header.clone(),
+            reset: args.limit_reset_header.clone(),
+        },
+        (HeadersArg::Off, false) => Headers::Off,
+    };
+    Settings {
+        bounds: Bounds {
+            max_descriptors: args.max_descriptors,
+            max_entries: args.max_entries,
+            max_bytes: args.max_bytes,
+        },
+        charging: match args.charging {
+            ChargingArg::Atomic => Charging::Atomic,
+            ChargingArg::PerDescriptor => Charging::PerDescriptor,
+        },
+        response: ResponseSettings {
+            headers,
+            global_shadow: args.shadow_mode,
+        },
+    }
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let rules = config::load(&args.config).map_err(|errors| {
+        anyhow::anyhow!(
+            "cannot load rules from {}:\n{errors}",
+            args.config.display()
+        )
+    })?;
+    let metrics = Arc::new(Metrics::new(args.near_limit_ratio, args.max_series));
+    metrics.config_load_success.increment(1);
+    tracing::info!(
+        path = %args.config.display(),
+        version = rules.version(),
+        domains = rules.domains().count(),
+        "rules loaded"
+    );
+    match args.backend {
+        BackendKind::Memory => {
+            let backend = MemoryBackend::new(args.memory_max_keys);
+            backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
+            run(backend, &args, rules, metrics).await
+        }
+        BackendKind::Redis => anyhow::bail!("the redis backend is not built yet"),
+    }
+}
+
+async fn run<B: Backend>(
+    backend: B,
+    args: &ServeArgs,
+    rules: RuleSet,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let rules = Arc::new(ActiveRules::new(rules));
+    let limiter = Arc::new(RateLimiter::new(
+        rules.clone(),
+        backend,
+        settings(args),
+        metrics.clone(),
+    ));
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let health = Arc::new(Health::new(reporter));
+    let probe = tokio::spawn({
+        let (health, limiter) = (health.clone(), limiter.clone());
+        async move {
+            health
+                .watch_backend(limiter.backend(), BACKEND_PROBE_PERIOD)
+                .await
+        }
+    });
+
+    let grpc_addr = args.grpc_addr();
+    let http_addr = args.http_addr();
+    let grpc_listener = TcpListener::bind(grpc_addr)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {grpc_addr}"))?;
+    let http_listener = TcpListener::bind(http_addr)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
+    tracing::info!(%grpc_addr, %http_addr, "listening");
+
+    let (stop, stopped) = watch::channel(false);
+    let until_stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(RateLimitServiceServer::from_arc(limiter.clone()))
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            until_stopped(stopped.clone()),
+        );
+    let http = axum::serve(
+        http_listener,
+        admin::router(Arc::new(Admin {
+            limiter,
+            rules,
+            health: health.clone(),
+            metrics,
+        })),
+    )
+    .with_graceful_shutdown(until_stopped(stopped));
+
+    let signals = async {
+        shutdown_signal().await;
+        tracing::info!("shutting down: finishing in-flight calls");
+        health.set_stopping().await;
+        let _ = stop.send(true);
+    };
+    let (grpc, http, ()) = tokio::join!(grpc, http, signals);
+    probe.abort();
+    grpc.context("gRPC server failed")?;
+    http.context("HTTP server failed")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
