@@ -184,6 +184,10 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES)]
     pub max_series: usize,
 
+    /// How long a shutdown waits for in-flight calls and open connections.
+    #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE", value_parser = duration, default_value = "10s")]
+    pub shutdown_grace: Duration,
+
     /// trace, debug, info, warn or error (or a tracing filter directive).
     #[arg(long, env = "LOG_LEVEL", default_value = "info")]
     pub log_level: String,

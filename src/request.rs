@@ -180,6 +180,7 @@ mod tests {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
         Entry, RateLimitOverride,
     };
+    use envoy_types::pb::google::protobuf::UInt64Value;
 
     fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
         RateLimitDescriptor {
@@ -258,8 +259,8 @@ mod tests {
     fn hits_follow_the_reference_and_saturate() {
         let mut r = request(vec![descriptor(&[("k", "v")]); 4]);
         r.hits_addend = 0;
-        r.descriptors[1].hits_addend = Some(0);
-        r.descriptors[2].hits_addend = Some(u64::MAX);
+        r.descriptors[1].hits_addend = Some(UInt64Value { value: 0 });
+        r.descriptors[2].hits_addend = Some(UInt64Value { value: u64::MAX });
         r.descriptors[3].is_negative_hits = true;
         let parsed = CheckRequest::parse(&r, &Bounds::default()).unwrap();
         let hits: Vec<u64> = parsed.descriptors.iter().map(|d| d.hits).collect();

@@ -137,8 +137,7 @@ fn headline<'p>(
             })
     };
     limited()
-        .filter(|(i, a)| a.role != Role::Quota && statuses[*i].code == Code::OverLimit as i32)
-        .next_back()
+        .rfind(|(i, a)| a.role != Role::Quota && statuses[*i].code == Code::OverLimit as i32)
         .or_else(|| {
             limited().reduce(|best, next| {
                 if statuses[next.0].limit_remaining < statuses[best.0].limit_remaining {

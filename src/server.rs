@@ -139,10 +139,19 @@ async fn run<B: Backend>(
         health.set_stopping().await;
         let _ = stop.send(true);
     };
-    let (grpc, http, ()) = tokio::join!(grpc, http, signals);
+    // Connections that stay open past the grace period must not hold the process.
+    let deadline = async {
+        signals.await;
+        tokio::time::sleep(args.shutdown_grace).await;
+    };
+    tokio::select! {
+        (grpc, http) = async { tokio::join!(grpc, http) } => {
+            grpc.context("gRPC server failed")?;
+            http.context("HTTP server failed")?;
+        }
+        () = deadline => tracing::warn!(grace = ?args.shutdown_grace, "grace period over; closing open connections"),
+    }
     probe.abort();
-    grpc.context("gRPC server failed")?;
-    http.context("HTTP server failed")?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -244,7 +244,363 @@ impl Pattern {
 
 #[cfg(test)]
 mod tests {
+    use super::super::load_str;
     use super::*;
+    use crate::limit::Unit;
+
+    /// The reference's conformance tree (its `basic_config.yaml` table), written afresh.
+    const BASIC: &str = "\
+domain: test-domain
+descriptors:
+  - key: key1
+    value: value1
+    descriptors:
+      - key: subkey1
+        rate_limit: {unit: second, requests_per_unit: 5}
+      - key: subkey1
+        value: subvalue1
+        rate_limit: {unit: second, requests_per_unit: 10}
+  - key: key2
+    rate_limit: {unit: minute, requests_per_unit: 20}
+  - key: key2
+    value: value2
+    rate_limit: {unit: minute, requests_per_unit: 30}
+  - key: key2
+    value: value3
+  - key: key3
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: key4
+    rate_limit: {unit: day, requests_per_unit: 1, name: key4_rate_limit}
+  - key: key5
+    value: value5
+    rate_limit: {unit: day, requests_per_unit: 15}
+    descriptors:
+      - key: subkey5
+        value: subvalue5
+        rate_limit: {unit: day, requests_per_unit: 25}
+  - key: key6
+    rate_limit: {unlimited: true}
+  - key: key7
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 70}
+";
+
+    const WILDCARD: &str = "\
+domain: wild
+descriptors:
+  - key: wild
+    value: foo*
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: noWild
+    value: foo
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: midWild
+    value: bar*b
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: multiWild
+    value: foo*bar*baz
+    rate_limit: {unit: minute, requests_per_unit: 4}
+  - key: nestedWild
+    value: val1
+    descriptors:
+      - key: wild
+        value: goo*
+        rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: pick
+    value: a*
+    rate_limit: {unit: second, requests_per_unit: 6}
+  - key: pick
+    value: ab*
+    rate_limit: {unit: second, requests_per_unit: 7}
+  - key: pick
+    value: abc
+    rate_limit: {unit: second, requests_per_unit: 8}
+  - key: pick
+    rate_limit: {unit: second, requests_per_unit: 9}
+  - key: any
+    value: '*'
+    rate_limit: {unit: second, requests_per_unit: 10}
+";
+
+    fn rules(text: &str) -> RuleSet {
+        load_str("rules.yaml", text).unwrap()
+    }
+
+    fn lookup<'r>(rules: &'r RuleSet, domain: &str, entries: &[(&str, &str)]) -> Option<&'r Rule> {
+        rules.domain(domain)?.lookup(entries.iter().copied())
+    }
+
+    /// (requests_per_unit, unit, full_key) of the rule found, if it is limited.
+    fn summary(rule: Option<&Rule>) -> Option<(u32, Unit, &str)> {
+        let rule = rule?;
+        let limit = rule.limit.as_ref()?;
+        Some((limit.requests_per_unit, limit.unit, rule.full_key.as_str()))
+    }
+
+    #[test]
+    fn conformance_table() {
+        let rules = rules(BASIC);
+        let find = |entries: &[(&str, &str)]| summary(lookup(&rules, "test-domain", entries));
+
+        assert!(rules.domain("foo_domain").is_none());
+        assert_eq!(find(&[("key1", "something")]), None);
+        assert_eq!(find(&[("key1", "value1")]), None);
+        assert_eq!(
+            find(&[("key1", "value1"), ("subkey1", "something")]),
+            Some((5, Unit::Second, "test-domain.key1_value1.subkey1"))
+        );
+        assert_eq!(
+            find(&[("key1", "value1"), ("subkey1", "subvalue1")]),
+            Some((
+                10,
+                Unit::Second,
+                "test-domain.key1_value1.subkey1_subvalue1"
+            ))
+        );
+        assert_eq!(
+            find(&[("key2", "something")]),
+            Some((20, Unit::Minute, "test-domain.key2"))
+        );
+        assert_eq!(
+            find(&[("key2", "value2")]),
+            Some((30, Unit::Minute, "test-domain.key2_value2"))
+        );
+        assert_eq!(find(&[("key2", "value2"), ("subkey", "subvalue")]), None);
+        assert_eq!(find(&[("key2", "value3")]), None);
+        assert_eq!(
+            find(&[("key3", "foo")]),
+            Some((1, Unit::Hour, "test-domain.key3"))
+        );
+        assert_eq!(
+            lookup(&rules, "test-domain", &[("key3", "foo")])
+                .unwrap()
+                .name,
+            None
+        );
+        let key4 = lookup(&rules, "test-domain", &[("key4", "foo")]).unwrap();
+        assert_eq!(
+            summary(Some(key4)),
+            Some((1, Unit::Day, "test-domain.key4"))
+        );
+        assert_eq!(key4.name.as_deref(), Some("key4_rate_limit"));
+        assert_eq!(
+            find(&[("key5", "value5")]),
+            Some((15, Unit::Day, "test-domain.key5_value5"))
+        );
+        assert_eq!(
+            find(&[("key5", "value5"), ("subkey5", "subvalue5")]),
+            Some((25, Unit::Day, "test-domain.key5_value5.subkey5_subvalue5"))
+        );
+        assert_eq!(find(&[("key5", "value5"), ("subkey5", "subvalue")]), None);
+        let key6 = lookup(&rules, "test-domain", &[("key6", "foo")]).unwrap();
+        assert_eq!(key6.limit, None);
+        assert_eq!(key6.full_key, "test-domain.key6");
+        let key7 = lookup(&rules, "test-domain", &[("key7", "unspecified_value")]).unwrap();
+        assert_eq!(
+            summary(Some(key7)),
+            Some((70, Unit::Minute, "test-domain.key7"))
+        );
+        assert!(key7.detailed_metric);
+        assert!(!key7.shadow_mode && !key7.quota_mode);
+        assert_eq!(rules.domain("test-domain").unwrap().rule_count(), 10);
+    }
+
+    #[test]
+    fn unknown_keys_and_empty_requests_get_no_rule() {
+        let rules = rules(BASIC);
+        assert!(lookup(&rules, "test-domain", &[("nope", "x")]).is_none());
+        assert!(lookup(&rules, "test-domain", &[]).is_none());
+        // Keys are case-sensitive.
+        assert!(lookup(&rules, "test-domain", &[("KEY2", "value2")]).is_none());
+    }
+
+    #[test]
+    fn depth_must_match_exactly() {
+        let rules = rules(BASIC);
+        // Longer than the config path: no rule, even though `key3` has one.
+        assert!(lookup(&rules, "test-domain", &[("key3", "foo"), ("extra", "x")]).is_none());
+        assert!(
+            lookup(
+                &rules,
+                "test-domain",
+                &[
+                    ("key1", "value1"),
+                    ("subkey1", "subvalue1"),
+                    ("deeper", "x")
+                ]
+            )
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn no_backtracking_to_the_default_branch() {
+        let rules = rules(
+            "domain: d
+\
+             descriptors:
+  \
+               - key: a
+    \
+                 value: exact
+    \
+                 descriptors:
+      \
+                   - key: b
+        \
+                     value: one
+        \
+                     rate_limit: {unit: second, requests_per_unit: 1}
+  \
+               - key: a
+    \
+                 descriptors:
+      \
+                   - key: b
+        \
+                     rate_limit: {unit: second, requests_per_unit: 2}
+",
+        );
+        let find = |entries: &[(&str, &str)]| summary(lookup(&rules, "d", entries)).map(|s| s.0);
+        assert_eq!(find(&[("a", "exact"), ("b", "one")]), Some(1));
+        // `a=exact` wins at the first level; its subtree has no `b=two`, and the default `a`
+        // branch (which would match) is not tried.
+        assert_eq!(find(&[("a", "exact"), ("b", "two")]), None);
+        assert_eq!(find(&[("a", "other"), ("b", "two")]), Some(2));
+    }
+
+    #[test]
+    fn empty_value_falls_back_to_the_key_only_node() {
+        let rules = rules(BASIC);
+        let find = |entries: &[(&str, &str)]| summary(lookup(&rules, "test-domain", entries));
+        assert_eq!(
+            find(&[("key2", "")]),
+            Some((20, Unit::Minute, "test-domain.key2"))
+        );
+        assert_eq!(find(&[("key1", "")]), None);
+        assert_eq!(
+            find(&[("key1", "value1"), ("subkey1", "")]),
+            Some((5, Unit::Second, "test-domain.key1_value1.subkey1"))
+        );
+    }
+
+    #[test]
+    fn wildcards() {
+        let rules = rules(WILDCARD);
+        let find = |key: &str, value: &str| summary(lookup(&rules, "wild", &[(key, value)]));
+
+        assert_eq!(
+            find("wild", "foo1"),
+            Some((1, Unit::Minute, "wild.wild_foo*"))
+        );
+        assert_eq!(
+            find("wild", "foo2"),
+            Some((1, Unit::Minute, "wild.wild_foo*"))
+        );
+        assert_eq!(
+            find("wild", "foo"),
+            Some((1, Unit::Minute, "wild.wild_foo*"))
+        );
+        assert_eq!(find("wild", "bar"), None);
+        assert_eq!(find("noWild", "foo1"), None);
+        assert_eq!(
+            find("noWild", "foo"),
+            Some((2, Unit::Minute, "wild.noWild_foo"))
+        );
+
+        for value in ["barab", "bar123b", "barb"] {
+            assert_eq!(
+                find("midWild", value),
+                Some((3, Unit::Minute, "wild.midWild_bar*b")),
+                "{value}"
+            );
+        }
+        for value in ["bara", "xbarb", "bar"] {
+            assert_eq!(find("midWild", value), None, "{value}");
+        }
+
+        for value in ["foo123bar456baz", "foobarbaz"] {
+            assert_eq!(find("multiWild", value).map(|s| s.0), Some(4), "{value}");
+        }
+        for value in ["foo123baz", "bar456baz"] {
+            assert_eq!(find("multiWild", value), None, "{value}");
+        }
+
+        assert_eq!(
+            summary(lookup(
+                &rules,
+                "wild",
+                &[("nestedWild", "val1"), ("wild", "goober")]
+            )),
+            Some((5, Unit::Minute, "wild.nestedWild_val1.wild_goo*"))
+        );
+        // The pattern matches the value only: the key must be equal.
+        assert_eq!(find("wil", "dfoo"), None);
+        assert_eq!(find("any", ""), Some((10, Unit::Second, "wild.any_*")));
+    }
+
+    #[test]
+    fn exact_beats_wildcard_beats_default_and_wildcards_go_in_config_order() {
+        let rules = rules(WILDCARD);
+        let find = |value: &str| summary(lookup(&rules, "wild", &[("pick", value)])).map(|s| s.0);
+        assert_eq!(find("abc"), Some(8));
+        // `a*` is listed before `ab*`, so it wins for `abd` too.
+        assert_eq!(find("abd"), Some(6));
+        assert_eq!(find("axe"), Some(6));
+        assert_eq!(find("zzz"), Some(9));
+    }
+
+    #[test]
+    fn describe_lists_every_rule_sorted() {
+        let rules = rules(
+            "domain: b
+\
+             descriptors:
+  \
+               - key: z
+    \
+                 shadow_mode: true
+    \
+                 rate_limit: {unit: second, requests_per_unit: 3}
+  \
+               - key: a
+    \
+                 quota_mode: true
+    \
+                 rate_limit: {unit: hour, requests_per_unit: 100, algorithm: token_bucket, burst: 20}
+  \
+               - key: path
+    \
+                 descriptors:
+      \
+                   - key: free
+        \
+                     rate_limit: {unlimited: true}
+\
+             ---
+\
+             domain: a
+\
+             descriptors:
+  \
+               - key: k
+    \
+                 value: v*
+    \
+                 rate_limit: {unit: day, requests_per_unit: 0, algorithm: sliding_window}
+",
+        );
+        assert_eq!(
+            rules.describe(),
+            "a.k_v*: unit=DAY requests_per_unit=0, shadow_mode: false, quota_mode: false, algorithm: sliding_window\n\
+             b.a: unit=HOUR requests_per_unit=100, shadow_mode: false, quota_mode: true, algorithm: token_bucket, burst: 20\n\
+             b.path.free: unlimited\n\
+             b.z: unit=SECOND requests_per_unit=3, shadow_mode: true, quota_mode: false, algorithm: fixed_window\n"
+        );
+        let names: Vec<&str> = rules.domains().map(DomainRules::name).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(rules.domain("b").unwrap().rule_count(), 3);
+    }
 
     #[test]
     fn patterns_match_in_order_with_prefix_and_suffix() {

@@ -142,3 +142,150 @@ impl Loader {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n";
+    const B: &str = "domain: b\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+
+    fn messages(errors: &ConfigErrors) -> Vec<String> {
+        errors.0.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn several_documents_in_one_file_are_several_domains() {
+        let rules = load_str("multi.yaml", &format!("{A}---\n{B}---\n")).unwrap();
+        let names: Vec<&str> = rules.domains().map(DomainRules::name).collect();
+        assert_eq!(names, ["a", "b"]);
+        let b = rules.domain("b").unwrap().lookup([("k", "v")]).unwrap();
+        assert_eq!(b.full_key, "b.k");
+        assert_eq!(rules.files(), ["multi.yaml"]);
+    }
+
+    #[test]
+    fn a_directory_loads_every_yaml_file() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("a.yaml"), A).unwrap();
+        fs::write(dir.path().join("b.yml"), B).unwrap();
+        fs::write(dir.path().join(".skipped.yaml"), "not: [valid").unwrap();
+        fs::write(dir.path().join("readme.md"), "# not yaml").unwrap();
+        let rules = load(dir.path()).unwrap();
+        assert_eq!(rules.domains().count(), 2);
+        let files: Vec<String> = ["a.yaml", "b.yml"]
+            .iter()
+            .map(|f| dir.path().join(f).display().to_string())
+            .collect();
+        assert_eq!(rules.files(), files);
+
+        let single = load(&dir.path().join("b.yml")).unwrap();
+        assert!(single.domain("a").is_none());
+        assert!(single.domain("b").is_some());
+    }
+
+    #[test]
+    fn an_empty_directory_loads_no_domains() {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = load(dir.path()).unwrap();
+        assert_eq!(rules.domains().count(), 0);
+        assert_eq!(rules.describe(), "");
+    }
+
+    #[test]
+    fn errors_are_collected_across_files() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("1.yaml"), A).unwrap();
+        fs::write(dir.path().join("2.yaml"), "domain: a\n").unwrap();
+        fs::write(dir.path().join("3.yaml"), "domain: c\nbogus: 1\n").unwrap();
+        fs::write(dir.path().join("4.yaml"), "domain: [\n").unwrap();
+        fs::write(dir.path().join("5.yaml"), [0xff, 0xfe]).unwrap();
+        let errors = load(dir.path()).unwrap_err();
+        let file = |name: &str| dir.path().join(name).display().to_string();
+        assert_eq!(errors.0.len(), 4);
+        assert_eq!(
+            errors.0[0].to_string(),
+            format!(
+                "{}:1:9: duplicate domain 'a' in config file",
+                file("2.yaml")
+            )
+        );
+        assert_eq!(
+            errors.0[1].to_string(),
+            format!("{}:2:1: config error, unknown key 'bogus'", file("3.yaml"))
+        );
+        assert_eq!(errors.0[2].file, file("4.yaml"));
+        assert_eq!(errors.0[2].line, 2);
+        assert!(
+            errors.0[2]
+                .message
+                .starts_with("error loading config file: "),
+            "{}",
+            errors.0[2]
+        );
+        assert_eq!(errors.0[3].file, file("5.yaml"));
+        assert!(
+            errors.0[3].message.starts_with("cannot read config file: "),
+            "{}",
+            errors.0[3]
+        );
+        // One line per error.
+        assert_eq!(errors.to_string().lines().count(), 4);
+        assert_eq!(
+            errors.to_string().lines().next().unwrap(),
+            errors.0[0].to_string()
+        );
+    }
+
+    #[test]
+    fn a_missing_path_is_one_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("absent");
+        let errors = load(&missing).unwrap_err();
+        assert_eq!(
+            messages(&errors),
+            [format!(
+                "{}:1:1: config path does not exist",
+                missing.display()
+            )]
+        );
+    }
+
+    #[test]
+    fn version_is_stable_for_the_same_content() {
+        let v = |name: &str, text: &str| load_str(name, text).unwrap().version().to_owned();
+        let first = v("a.yaml", A);
+        assert_eq!(first.len(), 40);
+        assert!(first.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(first, v("a.yaml", A));
+        assert_ne!(first, v("other.yaml", A));
+        assert_ne!(first, v("a.yaml", &format!("{A}# changed\n")));
+
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("a.yaml"), A).unwrap();
+        fs::write(dir.path().join("b.yaml"), B).unwrap();
+        let from_disk = load(dir.path()).unwrap().version().to_owned();
+        assert_eq!(from_disk, load(dir.path()).unwrap().version());
+        fs::write(
+            dir.path().join("b.yaml"),
+            A.replace("domain: a", "domain: c"),
+        )
+        .unwrap();
+        assert_ne!(from_disk, load(dir.path()).unwrap().version());
+    }
+
+    #[test]
+    fn error_display_is_file_line_column_message() {
+        let errors = load_str("x.yaml", "domain: d\ndescriptors:\n  - value: v\n").unwrap_err();
+        assert_eq!(
+            errors.0,
+            [ConfigError {
+                file: "x.yaml".to_owned(),
+                line: 3,
+                column: 5,
+                message: "descriptor has empty key".to_owned(),
+            }]
+        );
+        assert_eq!(errors.to_string(), "x.yaml:3:5: descriptor has empty key");
+    }
+}

@@ -233,16 +233,17 @@ impl Reader<'_> {
                 "shadow_mode" => spec.shadow_mode = self.boolean(value, name),
                 "quota_mode" => spec.quota_mode = self.boolean(value, name),
                 "detailed_metric" => spec.detailed_metric = self.boolean(value, name),
+                // These three are checked as the reference checks them but not kept: their
+                // effects (stats and cache keys, response metadata) belong to later stages.
                 "share_threshold" => share_threshold = self.boolean(value, name),
-                // Checked for compatibility; their effects are not implemented here.
                 "value_to_metric" => {
                     self.boolean(value, name);
                 }
-                "metadata" => {
-                    if !matches!(value.kind, Kind::Map(_) | Kind::Null) {
-                        self.invalid(value, name, "a map");
-                    }
+                "metadata" if !matches!(value.kind, Kind::Map(_) | Kind::Null) => {
+                    self.invalid(value, name, "a map");
                 }
+                // Misplaced known keys are ignored, as in the reference; check_keys has
+                // reported unknown ones.
                 _ => {}
             }
         }
@@ -562,7 +563,7 @@ mod tests {
         assert_eq!(
             rl("unit: {a: b}"),
             [
-                "t.yaml:5:13: config error, unknown key 'a'",
+                "t.yaml:5:14: config error, unknown key 'a'",
                 "t.yaml:5:13: invalid unit (expected a string, found a map)"
             ]
         );

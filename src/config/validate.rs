@@ -152,13 +152,14 @@ impl Check<'_> {
     }
 
     fn limit(&mut self, rate_limit: &RateLimitSpec) -> Option<Limit> {
-        let unit = match &rate_limit.unit {
-            Some(unit) => Unit::parse(&unit.value).ok_or((unit.pos, unit.value.as_str())),
-            None => Err((rate_limit.pos, "")),
+        let (unit_text, unit_pos) = match &rate_limit.unit {
+            Some(unit) => (unit.value.as_str(), unit.pos),
+            None => ("", rate_limit.pos),
         };
-        let unit = unit
-            .map_err(|(pos, text)| self.error(pos, format!("invalid rate limit unit '{text}'")))
-            .ok();
+        let unit = Unit::parse(unit_text);
+        if unit.is_none() {
+            self.error(unit_pos, format!("invalid rate limit unit '{unit_text}'"));
+        }
 
         let algorithm = match &rate_limit.algorithm {
             None => Some(Algorithm::default()),
@@ -179,19 +180,17 @@ impl Check<'_> {
 
         // Missing means 0, as in the reference: every request is over the limit.
         let requests_per_unit = rate_limit.requests_per_unit.as_ref().map_or(0, |r| r.value);
-        if algorithm == Some(Algorithm::SlidingWindow)
-            && requests_per_unit > SLIDING_WINDOW_MAX_LIMIT
+        if let Some(given) = &rate_limit.requests_per_unit
+            && algorithm == Some(Algorithm::SlidingWindow)
+            && given.value > SLIDING_WINDOW_MAX_LIMIT
         {
-            let pos = rate_limit
-                .requests_per_unit
-                .as_ref()
-                .map_or(rate_limit.pos, |r| r.pos);
             self.error(
-                pos,
+                given.pos,
                 format!(
                     "sliding_window keeps one entry per admitted request, so requests_per_unit \
-                     must be at most {SLIDING_WINDOW_MAX_LIMIT} (found {requests_per_unit}); \
-                     use token_bucket for larger limits"
+                     must be at most {SLIDING_WINDOW_MAX_LIMIT} (found {}); \
+                     use token_bucket for larger limits",
+                    given.value
                 ),
             );
         }
@@ -217,5 +216,270 @@ impl Check<'_> {
             algorithm: algorithm?,
             burst,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{RuleSet, load_str};
+    use super::*;
+
+    fn errors(text: &str) -> Vec<String> {
+        match load_str("v.yaml", text) {
+            Ok(_) => panic!("loaded without errors:\n{text}"),
+            Err(errors) => errors.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    fn one_rule(rate_limit: &str) -> Result<RuleSet, Vec<String>> {
+        let text =
+            format!("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      {rate_limit}\n");
+        load_str("v.yaml", &text).map_err(|e| e.0.iter().map(ToString::to_string).collect())
+    }
+
+    fn limit_of(rate_limit: &str) -> Option<Limit> {
+        let rules = one_rule(rate_limit).unwrap();
+        let domain = rules.domain("d").unwrap();
+        domain.lookup([("k", "x")]).unwrap().limit
+    }
+
+    #[test]
+    fn empty_domain() {
+        assert_eq!(
+            errors("descriptors:\n  - key: k\n"),
+            ["v.yaml:1:1: config file cannot have empty domain"]
+        );
+        assert_eq!(
+            errors("domain: ''\n"),
+            ["v.yaml:1:9: config file cannot have empty domain"]
+        );
+        assert_eq!(
+            errors(""),
+            ["v.yaml:1:1: config file cannot have empty domain"]
+        );
+        assert_eq!(
+            errors("# nothing\n---\n"),
+            ["v.yaml:1:1: config file cannot have empty domain"]
+        );
+    }
+
+    #[test]
+    fn duplicate_domain() {
+        assert_eq!(
+            errors("domain: a\n---\ndomain: b\n---\ndomain: a\n"),
+            ["v.yaml:5:9: duplicate domain 'a' in config file"]
+        );
+    }
+
+    #[test]
+    fn empty_key() {
+        assert_eq!(
+            errors(
+                "domain: d\ndescriptors:\n  - value: v\n    rate_limit: {unit: second, requests_per_unit: 1}\n"
+            ),
+            ["v.yaml:3:5: descriptor has empty key"]
+        );
+    }
+
+    #[test]
+    fn duplicate_composite_key_names_the_full_path() {
+        assert_eq!(
+            errors(
+                "domain: test-domain\n\
+                 descriptors:\n  \
+                   - key: key1\n    \
+                     value: value1\n  \
+                   - key: key1\n    \
+                     value: value1\n"
+            ),
+            ["v.yaml:5:5: duplicate descriptor composite key 'test-domain.key1_value1'"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\n\
+                 descriptors:\n  \
+                   - key: a\n    \
+                     descriptors:\n      \
+                       - key: b\n      \
+                       - key: b\n"
+            ),
+            ["v.yaml:6:9: duplicate descriptor composite key 'd.a.b'"]
+        );
+        // Judged by `key_value` text, as the reference does.
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: a_b\n  - key: a\n    value: b\n"),
+            ["v.yaml:4:5: duplicate descriptor composite key 'd.a_b'"]
+        );
+    }
+
+    #[test]
+    fn invalid_unit() {
+        assert_eq!(
+            one_rule("unit: foo").unwrap_err(),
+            ["v.yaml:5:13: invalid rate limit unit 'foo'"]
+        );
+        assert_eq!(
+            one_rule("requests_per_unit: 5").unwrap_err(),
+            ["v.yaml:5:7: invalid rate limit unit ''"]
+        );
+        assert_eq!(
+            one_rule("unit: unknown").unwrap_err(),
+            ["v.yaml:5:13: invalid rate limit unit 'unknown'"]
+        );
+    }
+
+    #[test]
+    fn units_are_case_insensitive_and_include_week_month_year() {
+        for (text, unit) in [
+            ("SeCoNd", Unit::Second),
+            ("week", Unit::Week),
+            ("Month", Unit::Month),
+            ("YEAR", Unit::Year),
+        ] {
+            let limit = limit_of(&format!("unit: {text}")).unwrap();
+            assert_eq!(limit.unit, unit);
+        }
+    }
+
+    #[test]
+    fn unlimited() {
+        assert_eq!(
+            one_rule("unlimited: true\n      unit: day").unwrap_err(),
+            ["v.yaml:6:13: should not specify rate limit unit when unlimited"]
+        );
+        // As in the reference: requests_per_unit and an invalid unit are tolerated.
+        assert_eq!(
+            limit_of("unlimited: true\n      requests_per_unit: 5"),
+            None
+        );
+        assert_eq!(limit_of("unlimited: true\n      unit: bogus"), None);
+        assert_eq!(
+            one_rule("unlimited: true\n      algorithm: token_bucket\n      burst: 3").unwrap_err(),
+            [
+                "v.yaml:6:18: should not specify algorithm when unlimited",
+                "v.yaml:7:14: should not specify burst when unlimited"
+            ]
+        );
+    }
+
+    #[test]
+    fn replaces_entries() {
+        assert_eq!(
+            one_rule("unit: second\n      replaces:\n        - name:\n").unwrap_err(),
+            ["v.yaml:7:11: should not have an empty replaces entry"]
+        );
+        assert_eq!(
+            one_rule("unit: second\n      name: me\n      replaces:\n        - name: other\n        - name: me\n")
+                .unwrap_err(),
+            ["v.yaml:9:11: replaces should not contain name of same descriptor"]
+        );
+        let rules =
+            one_rule("unit: second\n      name: me\n      replaces: [{name: a}, {name: b}]")
+                .unwrap();
+        let rule = rules.domain("d").unwrap().lookup([("k", "v")]).unwrap();
+        assert_eq!(rule.name.as_deref(), Some("me"));
+        assert_eq!(rule.replaces, ["a", "b"]);
+    }
+
+    #[test]
+    fn missing_requests_per_unit_is_zero() {
+        assert_eq!(
+            limit_of("unit: minute"),
+            Some(Limit::fixed(0, Unit::Minute))
+        );
+    }
+
+    #[test]
+    fn algorithm_defaults_to_fixed_window() {
+        let limit = limit_of("unit: minute\n      requests_per_unit: 7").unwrap();
+        assert_eq!(limit, Limit::fixed(7, Unit::Minute));
+        assert_eq!(limit.algorithm, Algorithm::FixedWindow);
+        let limit =
+            limit_of("unit: minute\n      requests_per_unit: 7\n      algorithm: sliding_window")
+                .unwrap();
+        assert_eq!(limit.algorithm, Algorithm::SlidingWindow);
+        assert_eq!(limit.burst, 7);
+    }
+
+    #[test]
+    fn invalid_algorithm() {
+        assert_eq!(
+            one_rule("unit: second\n      algorithm: leaky_bucket").unwrap_err(),
+            [
+                "v.yaml:6:18: invalid algorithm 'leaky_bucket' (expected fixed_window, sliding_window or token_bucket)"
+            ]
+        );
+    }
+
+    #[test]
+    fn burst() {
+        let limit = |extra: &str| {
+            limit_of(&format!(
+                "unit: second\n      requests_per_unit: 10\n      algorithm: token_bucket{extra}"
+            ))
+            .unwrap()
+        };
+        assert_eq!(limit("").burst, 10);
+        assert_eq!(limit("\n      burst: 25").burst, 25);
+        assert_eq!(limit("\n      burst: 25").algorithm, Algorithm::TokenBucket);
+        assert_eq!(
+            one_rule("unit: second\n      algorithm: token_bucket\n      burst: 0").unwrap_err(),
+            ["v.yaml:7:14: burst must be at least 1"]
+        );
+        assert_eq!(
+            one_rule("unit: second\n      burst: 5").unwrap_err(),
+            ["v.yaml:6:14: burst can only be used with algorithm token_bucket"]
+        );
+        assert_eq!(
+            one_rule("unit: second\n      algorithm: sliding_window\n      burst: 5").unwrap_err(),
+            ["v.yaml:7:14: burst can only be used with algorithm token_bucket"]
+        );
+    }
+
+    #[test]
+    fn sliding_window_is_capped() {
+        let at_cap = format!(
+            "unit: hour\n      algorithm: sliding_window\n      requests_per_unit: {SLIDING_WINDOW_MAX_LIMIT}"
+        );
+        assert_eq!(limit_of(&at_cap).unwrap().requests_per_unit, 10_000);
+        let errors =
+            one_rule("unit: hour\n      algorithm: sliding_window\n      requests_per_unit: 10001")
+                .unwrap_err();
+        assert_eq!(
+            errors,
+            [
+                "v.yaml:7:26: sliding_window keeps one entry per admitted request, so requests_per_unit \
+              must be at most 10000 (found 10001); use token_bucket for larger limits"
+            ]
+        );
+        // The cap is the sliding window's alone.
+        let big =
+            limit_of("unit: hour\n      algorithm: token_bucket\n      requests_per_unit: 1000000");
+        assert_eq!(big.unwrap().requests_per_unit, 1_000_000);
+    }
+
+    #[test]
+    fn every_error_is_collected_in_position_order() {
+        let errors = errors(
+            "domain: d\n\
+             descriptors:\n  \
+               - key: a\n    \
+                 rate_limit: {unit: fortnight}\n  \
+               - key: b\n    \
+                 bogus: 1\n    \
+                 rate_limit: {unit: second, requests_per_unit: lots}\n  \
+               - value: v\n  \
+               - key: a\n",
+        );
+        assert_eq!(
+            errors,
+            [
+                "v.yaml:4:24: invalid rate limit unit 'fortnight'",
+                "v.yaml:6:5: config error, unknown key 'bogus'",
+                "v.yaml:7:51: invalid requests_per_unit 'lots' (expected an integer from 0 to 4294967295)",
+                "v.yaml:8:5: descriptor has empty key",
+                "v.yaml:9:5: duplicate descriptor composite key 'd.a'",
+            ]
+        );
     }
 }

@@ -1,0 +1,488 @@
+//! The service end to end on the embedded memory backend: the real binary, over gRPC and
+//! HTTP, with rules in the reference's format.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use support::turnstile::{Rules, Turnstile, descriptor, request};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const RULES: &str = r#"
+domain: test
+descriptors:
+  - key: key1
+    value: value1
+    descriptors:
+      - key: subkey1
+        rate_limit: {unit: second, requests_per_unit: 5}
+  - key: minute
+    rate_limit: {name: per-minute, unit: minute, requests_per_unit: 3}
+  - key: wide
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: narrow
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: unlimited
+    rate_limit: {unlimited: true}
+  - key: a
+    rate_limit: {name: a-rule, unit: hour, requests_per_unit: 5}
+  - key: b
+    rate_limit: {unit: hour, requests_per_unit: 10, replaces: [{name: a-rule}]}
+  - key: bucket
+    rate_limit: {unit: second, requests_per_unit: 1, algorithm: token_bucket, burst: 2}
+  - key: sliding
+    rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window}
+"#;
+
+async fn start(extra: &[&str]) -> (Rules, Turnstile) {
+    let rules = Rules::new(RULES);
+    let turnstile = Turnstile::start(rules.path(), extra).await;
+    (rules, turnstile)
+}
+
+fn code(response: &RateLimitResponse) -> Code {
+    Code::try_from(response.overall_code).unwrap()
+}
+
+fn codes(response: &RateLimitResponse) -> Vec<Code> {
+    response
+        .statuses
+        .iter()
+        .map(|s| Code::try_from(s.code).unwrap())
+        .collect()
+}
+
+fn remaining(response: &RateLimitResponse) -> Vec<u32> {
+    response
+        .statuses
+        .iter()
+        .map(|s| s.limit_remaining)
+        .collect()
+}
+
+fn reset(status: &DescriptorStatus) -> Duration {
+    let d = status
+        .duration_until_reset
+        .as_ref()
+        .expect("duration_until_reset");
+    Duration::new(d.seconds as u64, d.nanos as u32)
+}
+
+#[tokio::test]
+async fn counts_down_then_refuses_with_exact_remaining_and_reset() {
+    let (_rules, t) = start(&[]).await;
+    let one = || request("test", vec![descriptor(&[("minute", "x")])]);
+    for expected in [2, 1, 0] {
+        let r = t.call(one()).await.unwrap();
+        assert_eq!(code(&r), Code::Ok);
+        assert_eq!(remaining(&r), [expected]);
+    }
+    let over = t.call(one()).await.unwrap();
+    assert_eq!(code(&over), Code::OverLimit);
+    assert_eq!(codes(&over), [Code::OverLimit]);
+    let status = &over.statuses[0];
+    let limit = status.current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.name.as_str(), limit.requests_per_unit, limit.unit),
+        ("per-minute", 3, Unit::Minute as i32)
+    );
+    assert_eq!(status.limit_remaining, 0);
+    let until = reset(status);
+    assert!(
+        until > Duration::ZERO && until <= Duration::from_secs(60),
+        "{until:?}"
+    );
+}
+
+#[tokio::test]
+async fn statuses_follow_request_order_and_unmatched_descriptors_have_no_limit() {
+    let (_rules, t) = start(&[]).await;
+    let r = t
+        .call(request(
+            "test",
+            vec![
+                descriptor(&[("nobody", "x")]),
+                descriptor(&[("key1", "value1")]),
+                descriptor(&[("key1", "value1"), ("subkey1", "anything")]),
+                descriptor(&[("unlimited", "x")]),
+                descriptor(&[("key1", "value1"), ("subkey1", "a"), ("deeper", "b")]),
+            ],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(code(&r), Code::Ok);
+    assert_eq!(codes(&r), [Code::Ok; 5]);
+    let limited: Vec<bool> = r
+        .statuses
+        .iter()
+        .map(|s| s.current_limit.is_some())
+        .collect();
+    assert_eq!(limited, [false, false, true, false, false]);
+    assert_eq!(remaining(&r), [0, 0, 4, u32::MAX, 0]);
+    assert!(r.statuses[0].duration_until_reset.is_none());
+}
+
+#[tokio::test]
+async fn unknown_domain_answers_ok_without_limits() {
+    let (_rules, t) = start(&[]).await;
+    let r = t
+        .call(request("elsewhere", vec![descriptor(&[("minute", "x")])]))
+        .await
+        .unwrap();
+    assert_eq!(code(&r), Code::Ok);
+    assert!(r.statuses[0].current_limit.is_none());
+    let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics.contains("ratelimit_service_rate_limit_domain_not_found{domain=\"elsewhere\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_request_consumes_nothing_on_its_other_descriptors() {
+    for (charging, wide_left) in [("atomic", 8), ("per-descriptor", 7)] {
+        let (_rules, t) = start(&["--charging", charging]).await;
+        let both = || {
+            request(
+                "test",
+                vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
+            )
+        };
+        assert_eq!(code(&t.call(both()).await.unwrap()), Code::Ok);
+        let refused = t.call(both()).await.unwrap();
+        assert_eq!(code(&refused), Code::OverLimit);
+        assert_eq!(codes(&refused), [Code::Ok, Code::OverLimit]);
+        let alone = t
+            .call(request("test", vec![descriptor(&[("wide", "w")])]))
+            .await
+            .unwrap();
+        assert_eq!(remaining(&alone), [wide_left], "charging {charging}");
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_counts_but_never_refuses() {
+    let (_rules, t) = start(&[]).await;
+    let one = || request("test", vec![descriptor(&[("shadow", "s")])]);
+    assert_eq!(remaining(&t.call(one()).await.unwrap()), [0]);
+    let over = t.call(one()).await.unwrap();
+    assert_eq!(code(&over), Code::Ok);
+    assert_eq!(codes(&over), [Code::Ok]);
+    assert!(over.statuses[0].current_limit.is_some());
+    let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    assert!(
+        metrics
+            .contains("ratelimit_service_rate_limit_shadow_mode{domain=\"test\",key=\"shadow\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn hits_addend_at_request_and_descriptor_level() {
+    let (_rules, t) = start(&[]).await;
+    let mut two = request("test", vec![descriptor(&[("minute", "m")])]);
+    two.hits_addend = 2;
+    assert_eq!(remaining(&t.call(two).await.unwrap()), [1]);
+
+    let mut read = request("test", vec![descriptor(&[("minute", "m")])]);
+    read.hits_addend = 9;
+    read.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    let r = t.call(read.clone()).await.unwrap();
+    assert_eq!(
+        (code(&r), remaining(&r)),
+        (Code::Ok, vec![1]),
+        "0 reads only"
+    );
+    assert_eq!(remaining(&t.call(read).await.unwrap()), [1]);
+
+    let mut big = request("test", vec![descriptor(&[("minute", "m")])]);
+    big.descriptors[0].hits_addend = Some(UInt64Value { value: u64::MAX });
+    assert_eq!(code(&t.call(big).await.unwrap()), Code::OverLimit);
+}
+
+#[tokio::test]
+async fn a_request_override_replaces_the_limit_and_counts_separately() {
+    let (_rules, t) = start(&[]).await;
+    let mut overridden = request("test", vec![descriptor(&[("minute", "o")])]);
+    overridden.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 10,
+        unit: Unit::Hour as i32,
+    });
+    let r = t.call(overridden).await.unwrap();
+    assert_eq!(remaining(&r), [9]);
+    let limit = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit),
+        (10, Unit::Hour as i32)
+    );
+    let plain = t
+        .call(request("test", vec![descriptor(&[("minute", "o")])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        remaining(&plain),
+        [2],
+        "the configured limit has its own counter"
+    );
+}
+
+#[tokio::test]
+async fn replaces_drops_the_replaced_rule() {
+    let (_rules, t) = start(&[]).await;
+    let r = t
+        .call(request(
+            "test",
+            vec![descriptor(&[("a", "1")]), descriptor(&[("b", "1")])],
+        ))
+        .await
+        .unwrap();
+    assert!(
+        r.statuses[0].current_limit.is_none(),
+        "a-rule is replaced by b"
+    );
+    assert_eq!(remaining(&r), [0, 9]);
+    let alone = t
+        .call(request("test", vec![descriptor(&[("a", "1")])]))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&alone), [4], "the replaced rule was not counted");
+}
+
+#[tokio::test]
+async fn token_bucket_and_sliding_window_answer_with_exact_retry_times() {
+    let (_rules, t) = start(&[]).await;
+    let bucket = || request("test", vec![descriptor(&[("bucket", "b")])]);
+    assert_eq!(remaining(&t.call(bucket()).await.unwrap()), [1]);
+    assert_eq!(remaining(&t.call(bucket()).await.unwrap()), [0]);
+    let over = t.call(bucket()).await.unwrap();
+    assert_eq!(code(&over), Code::OverLimit);
+    let retry = reset(&over.statuses[0]);
+    assert!(
+        retry > Duration::from_millis(500) && retry <= Duration::from_secs(1),
+        "{retry:?}"
+    );
+
+    let sliding = || request("test", vec![descriptor(&[("sliding", "s")])]);
+    assert_eq!(remaining(&t.call(sliding()).await.unwrap()), [1]);
+    assert_eq!(remaining(&t.call(sliding()).await.unwrap()), [0]);
+    let over = t.call(sliding()).await.unwrap();
+    assert_eq!(code(&over), Code::OverLimit);
+    let retry = reset(&over.statuses[0]);
+    assert!(
+        retry > Duration::from_secs(50) && retry <= Duration::from_secs(60),
+        "{retry:?}"
+    );
+}
+
+#[tokio::test]
+async fn malformed_requests_get_invalid_argument_and_count_nothing() {
+    let (_rules, t) = start(&[]).await;
+    let good = || descriptor(&[("minute", "bad-input")]);
+    let mut cases = vec![
+        (
+            request("", vec![good()]),
+            "rate limit domain must not be empty",
+        ),
+        (
+            request("test", vec![]),
+            "rate limit descriptor list must not be empty",
+        ),
+        (
+            request("test", vec![good(), descriptor(&[])]),
+            "descriptor 1: has no entries",
+        ),
+        (
+            request("test", vec![good(), descriptor(&[("", "v")])]),
+            "descriptor 1: entry 0 has an empty key",
+        ),
+        (
+            request(
+                "test",
+                vec![good(), descriptor(&[("k", &"v".repeat(5000))])],
+            ),
+            "descriptor 1: entry 0 value is 5000 bytes; the maximum is 1024",
+        ),
+        (
+            request("test", vec![good(); 65]),
+            "65 descriptors; the maximum is 64",
+        ),
+    ];
+    let mut bad_unit = request("test", vec![good()]);
+    bad_unit.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: Unit::Unknown as i32,
+    });
+    cases.push((
+        bad_unit,
+        "descriptor 0: limit override has an invalid unit (0)",
+    ));
+    for (bad, message) in cases {
+        let status = t.call(bad).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(status.message(), message);
+    }
+    let after = t.call(request("test", vec![good()])).await.unwrap();
+    assert_eq!(remaining(&after), [2], "no malformed request was counted");
+}
+
+#[tokio::test]
+async fn http_endpoints_answer_as_the_reference() {
+    let (_rules, t) = start(&[]).await;
+    assert_eq!(
+        t.http_get("/healthcheck").await.unwrap(),
+        (200, "OK".into())
+    );
+    let body = r#"{"domain":"test","descriptors":[{"entries":[{"key":"narrow","value":"j"}]}]}"#;
+    let (status, ok) = t.http_post("/json", body).await.unwrap();
+    assert_eq!(status, 200, "{ok}");
+    assert!(ok.contains(r#""overallCode":"OK""#), "{ok}");
+    let (status, over) = t.http_post("/json", body).await.unwrap();
+    assert_eq!(status, 429, "{over}");
+    assert!(over.contains(r#""code":"OVER_LIMIT""#), "{over}");
+    let (status, bad) = t.http_post("/json", "{not json").await.unwrap();
+    assert_eq!(status, 400, "{bad}");
+    let (status, empty) = t.http_post("/json", r#"{"domain":"test"}"#).await.unwrap();
+    assert_eq!(
+        (status, empty.as_str()),
+        (400, "rate limit descriptor list must not be empty")
+    );
+
+    let (status, rlconfig) = t.http_get("/rlconfig").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(rlconfig.starts_with("# version "), "{rlconfig}");
+    assert!(
+        rlconfig.contains("test.minute: unit=MINUTE requests_per_unit=3, shadow_mode: false"),
+        "{rlconfig}"
+    );
+    let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    for line in [
+        "ratelimit_service_rate_limit_total_hits{domain=\"test\",key=\"narrow\"} 2",
+        "ratelimit_service_rate_limit_over_limit{domain=\"test\",key=\"narrow\"} 1",
+        "ratelimit_service_rate_limit_within_limit{domain=\"test\",key=\"narrow\"} 1",
+        "ratelimit_service_config_load_success 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing in\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn grpc_health_reports_serving_and_sigterm_stops_gracefully() {
+    let (_rules, mut t) = start(&[]).await;
+    let mut health = HealthClient::new(t.channel().await);
+    for service in [
+        "",
+        "ratelimit",
+        "envoy.service.ratelimit.v3.RateLimitService",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "service {service:?}");
+    }
+    let exit = t.terminate().await;
+    assert!(exit.success(), "{exit}");
+}
+
+#[tokio::test]
+async fn response_headers_in_the_reference_trio_or_the_ietf_pair() {
+    let header_map = |r: &RateLimitResponse| -> Vec<(String, String)> {
+        r.response_headers_to_add
+            .iter()
+            .map(|h| (h.key.clone(), h.value.clone()))
+            .collect()
+    };
+    let (_rules, legacy) = start(&["--limit-response-headers-enabled"]).await;
+    let r = legacy
+        .call(request("test", vec![descriptor(&[("wide", "h")])]))
+        .await
+        .unwrap();
+    let headers = header_map(&r);
+    assert_eq!(headers[0], ("RateLimit-Limit".into(), "10".into()));
+    assert_eq!(headers[1], ("RateLimit-Remaining".into(), "9".into()));
+    assert_eq!(headers[2].0, "RateLimit-Reset");
+
+    let (_rules, ietf) = start(&["--response-headers", "ietf"]).await;
+    let r = ietf
+        .call(request("test", vec![descriptor(&[("minute", "h")])]))
+        .await
+        .unwrap();
+    let headers = header_map(&r);
+    assert_eq!(
+        headers[0],
+        ("RateLimit-Policy".into(), "\"per-minute\";q=3;w=60".into())
+    );
+    assert!(
+        headers[1].1.starts_with("\"per-minute\";r=2;t="),
+        "{headers:?}"
+    );
+}
+
+#[test]
+fn check_command_summarises_or_lists_every_error() {
+    let good = Rules::new(RULES);
+    let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args(["check", "--config"])
+        .arg(good.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("domain test: 10 rules"), "{stdout}");
+
+    let bad = Rules::new(
+        "domain: bad\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n  - key: b\n    ratelimit: 3\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args(["check", "--config"])
+        .arg(bad.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rules.yaml:4:"), "{stderr}");
+    assert!(
+        stderr.contains("invalid rate limit unit 'fortnight'"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rules.yaml:6:5: config error, unknown key 'ratelimit'"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn serve_refuses_to_start_on_bad_rules_and_says_where() {
+    let bad = Rules::new("domain: bad\ndescriptors:\n  - value: x\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args([
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--config",
+        ])
+        .arg(bad.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rules.yaml:3:"), "{stderr}");
+    assert!(stderr.contains("descriptor has empty key"), "{stderr}");
+}

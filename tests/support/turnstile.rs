@@ -1,0 +1,238 @@
+//! Runs the real `turnstile` binary on free loopback ports and talks to it over gRPC and
+//! HTTP. The process is killed (by PID) when the handle drops.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A directory holding rule files.
+pub struct Rules {
+    pub dir: tempfile::TempDir,
+}
+
+impl Rules {
+    /// One file `rules.yaml` with `yaml`.
+    pub fn new(yaml: &str) -> Rules {
+        let rules = Rules {
+            dir: tempfile::tempdir().expect("temp dir"),
+        };
+        rules.write("rules.yaml", yaml);
+        rules
+    }
+
+    pub fn write(&self, name: &str, yaml: &str) {
+        std::fs::write(self.dir.path().join(name), yaml).expect("write rules");
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+pub struct Turnstile {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    args: Vec<String>,
+    config: PathBuf,
+}
+
+impl Turnstile {
+    /// Start on the memory backend (unless `extra` says otherwise) and wait until healthy.
+    pub async fn start(config: &Path, extra: &[&str]) -> Turnstile {
+        let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut t = Turnstile {
+            child: spawn(config, grpc, http, extra),
+            grpc,
+            http,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            config: config.to_owned(),
+        };
+        t.wait_healthy().await;
+        t
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    async fn wait_healthy(&mut self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("turnstile exited during start-up: {status}");
+            }
+            if let Ok((200, _)) = self.http_get("/healthcheck").await {
+                return;
+            }
+            assert!(Instant::now() < deadline, "turnstile not healthy in time");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL and start again on the same ports, with the same arguments.
+    pub async fn kill_and_restart(&mut self) {
+        self.kill();
+        let extra: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        self.child = spawn(&self.config, self.grpc, self.http, &extra);
+        self.wait_healthy().await;
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then wait (bounded) for the exit status.
+    pub async fn terminate(&mut self) -> ExitStatus {
+        signal(self.pid(), "TERM");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "turnstile did not stop on SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("gRPC connect")
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.grpc))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("gRPC connect")
+    }
+
+    /// One ShouldRateLimit call on a fresh connection.
+    pub async fn call(
+        &self,
+        request: RateLimitRequest,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        self.client()
+            .await
+            .should_rate_limit(request)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    pub async fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        http(self.http, "GET", path, "").await
+    }
+
+    pub async fn http_post(&self, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+        http(self.http, "POST", path, body).await
+    }
+}
+
+impl Drop for Turnstile {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn(config: &Path, grpc: SocketAddr, http: SocketAddr, extra: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .arg("--grpc-addr")
+        .arg(grpc.to_string())
+        .arg("--http-addr")
+        .arg(http.to_string())
+        .args(extra)
+        .env("LOG_LEVEL", "warn")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn turnstile")
+}
+
+pub fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// A minimal HTTP/1.1 exchange (one request per connection), enough for admin endpoints.
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<(u16, String)> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        let text = String::from_utf8_lossy(&response).into_owned();
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((status, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("HTTP timeout")))
+}
+
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).into(),
+                value: (*value).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
