@@ -82,6 +82,11 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_CONFIG")]
     pub config: PathBuf,
 
+    /// Poll the rules at this period instead of watching them with inotify (for file
+    /// systems without change events). Either way, SIGHUP forces a reload.
+    #[arg(long, env = "TURNSTILE_CONFIG_POLL_INTERVAL", value_parser = duration)]
+    pub config_poll_interval: Option<Duration>,
+
     /// gRPC listen host.
     #[arg(long, env = "GRPC_HOST", default_value = "0.0.0.0")]
     pub grpc_host: IpAddr,

@@ -17,6 +17,7 @@ pub mod key;
 pub mod limit;
 pub mod metrics;
 pub mod plan;
+pub mod reload;
 pub mod request;
 pub mod response;
 pub mod server;

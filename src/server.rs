@@ -1,5 +1,6 @@
-//! Start-up and shutdown: load the rules, build the backend, serve gRPC and the admin HTTP
-//! port, and on SIGTERM/SIGINT report not-serving, stop accepting, finish in-flight calls.
+//! Start-up and shutdown: load the rules (and watch them), build the backend, serve gRPC
+//! and the admin HTTP port; on SIGTERM/SIGINT report not-serving, stop accepting, and
+//! finish in-flight calls.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +19,7 @@ use crate::cli::{BackendKind, ChargingArg, HeadersArg, ServeArgs};
 use crate::config::{self, RuleSet};
 use crate::health::Health;
 use crate::metrics::Metrics;
+use crate::reload::Reloader;
 use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
@@ -84,6 +86,8 @@ async fn run<B: Backend>(
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<()> {
     let rules = Arc::new(ActiveRules::new(rules));
+    let reloader = Reloader::new(args.config.clone(), rules.clone(), metrics.clone());
+    let watcher = tokio::spawn(reloader.watch(args.config_poll_interval));
     let limiter = Arc::new(RateLimiter::new(
         rules.clone(),
         backend,
@@ -152,6 +156,7 @@ async fn run<B: Backend>(
         () = deadline => tracing::warn!(grace = ?args.shutdown_grace, "grace period over; closing open connections"),
     }
     probe.abort();
+    watcher.abort();
     tracing::info!("stopped");
     Ok(())
 }

@@ -1,0 +1,161 @@
+//! Rules reload when their files change: validate the whole set, then swap it in; a bad
+//! edit is reported and the rules in force stay.
+//!
+//! The watch is on the directory (the config directory, or the parent of a config file),
+//! not on the files: editors save by renaming over the file, `cp` truncates and rewrites
+//! it, and Kubernetes swaps a `..data` symlink to a new directory — all of these show up as
+//! events in the directory, where a file watch would lose track. Events are debounced so a
+//! burst of writes (many files, a half-written file) is read once, after it settles. The
+//! version hash makes a reload of identical content a no-op. SIGHUP forces a reload. Where
+//! inotify is unavailable, the directory is polled instead.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{PollWatcher, RecursiveMode, Watcher};
+use tokio::sync::mpsc;
+
+use crate::active::ActiveRules;
+use crate::config;
+use crate::metrics::Metrics;
+
+/// Quiet time after the last file event before the rules are read.
+pub const DEBOUNCE: Duration = Duration::from_millis(100);
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// New rules are in force.
+    Swapped { version: String },
+    /// The files hold the rules already in force.
+    Unchanged,
+    /// The files are invalid; the rules in force stay.
+    Rejected,
+}
+
+pub struct Reloader {
+    path: PathBuf,
+    rules: Arc<ActiveRules>,
+    metrics: Arc<Metrics>,
+}
+
+impl Reloader {
+    pub fn new(path: PathBuf, rules: Arc<ActiveRules>, metrics: Arc<Metrics>) -> Reloader {
+        Reloader {
+            path,
+            rules,
+            metrics,
+        }
+    }
+
+    /// Read and validate the files; swap them in only if they are valid and different.
+    pub fn reload(&self) -> Reloaded {
+        match config::load(&self.path) {
+            Ok(rules) if rules.version() == self.rules.current().rules.version() => {
+                Reloaded::Unchanged
+            }
+            Ok(rules) => {
+                let version = rules.version().to_owned();
+                self.rules.replace(rules);
+                self.metrics.config_load_success.increment(1);
+                tracing::info!(%version, "rules reloaded");
+                Reloaded::Swapped { version }
+            }
+            Err(errors) => {
+                self.metrics.config_load_error.increment(1);
+                for error in &errors.0 {
+                    tracing::error!(%error, "rules not reloaded; the previous rules stay in force");
+                }
+                Reloaded::Rejected
+            }
+        }
+    }
+
+    /// Watch the files (and SIGHUP) and reload on change, forever. `poll` forces polling at
+    /// that period instead of inotify.
+    pub async fn watch(self, poll: Option<Duration>) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+        let watched = watched_dir(&self.path);
+        // Keep the watcher alive for as long as this task runs.
+        let _watcher = match start_watcher(&watched, poll, tx.clone()) {
+            Ok(watcher) => Some(watcher),
+            Err(error) => {
+                tracing::error!(%error, dir = %watched.display(), "cannot watch rules; reload with SIGHUP");
+                None
+            }
+        };
+        tokio::spawn(forward_sighup(tx));
+        while rx.recv().await.is_some() {
+            // Debounce: wait until events stop for DEBOUNCE, then read once.
+            loop {
+                match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+                    Ok(Some(())) => continue,
+                    Ok(None) => return,
+                    Err(_) => break,
+                }
+            }
+            self.reload();
+        }
+    }
+}
+
+/// The directory to watch: the config directory itself, or a config file's parent.
+fn watched_dir(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        return path.to_owned();
+    }
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn start_watcher(
+    dir: &Path,
+    poll: Option<Duration>,
+    tx: mpsc::UnboundedSender<()>,
+) -> notify::Result<Box<dyn Watcher + Send>> {
+    let handler = move |event: notify::Result<notify::Event>| {
+        // Access events (reads) change nothing.
+        if event.is_ok_and(|e| !e.kind.is_access()) {
+            let _ = tx.send(());
+        }
+    };
+    let mut watcher: Box<dyn Watcher + Send> = match poll {
+        Some(period) => Box::new(PollWatcher::new(
+            handler,
+            notify::Config::default()
+                .with_poll_interval(period)
+                .with_compare_contents(true),
+        )?),
+        None => match notify::recommended_watcher(handler.clone()) {
+            Ok(watcher) => Box::new(watcher),
+            Err(error) => {
+                tracing::warn!(%error, "inotify unavailable; polling the rules every second");
+                Box::new(PollWatcher::new(
+                    handler,
+                    notify::Config::default()
+                        .with_poll_interval(Duration::from_secs(1))
+                        .with_compare_contents(true),
+                )?)
+            }
+        },
+    };
+    watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    Ok(watcher)
+}
+
+async fn forward_sighup(tx: mpsc::UnboundedSender<()>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        tracing::info!("SIGHUP: reloading rules");
+        if tx.send(()).is_err() {
+            return;
+        }
+    }
+}
