@@ -58,6 +58,18 @@ pub enum ChargingArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    /// Answer UNAVAILABLE: Envoy's failure_mode_deny decides (the reference's behaviour).
+    Error,
+    /// Admit (fail open).
+    Allow,
+    /// Refuse (fail closed).
+    Deny,
+    /// Limit in this process at --local-share of each limit.
+    Local,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum HeadersArg {
     Off,
     /// RateLimit-Limit / -Remaining / -Reset, as the reference.
@@ -141,6 +153,25 @@ pub struct ServeArgs {
     /// Prefix of every Redis key.
     #[arg(long, env = "CACHE_KEY_PREFIX", default_value = "")]
     pub cache_key_prefix: String,
+
+    /// What to answer when the backend fails or times out (a domain's `on_backend_error`
+    /// overrides it): error (UNAVAILABLE), allow, deny, or local limiting.
+    #[arg(
+        long,
+        env = "TURNSTILE_ON_BACKEND_ERROR",
+        value_enum,
+        default_value = "error"
+    )]
+    pub on_backend_error: PolicyArg,
+    /// Share of each limit an instance enforces alone in `local` mode: 1/N for N instances.
+    #[arg(long, env = "TURNSTILE_LOCAL_SHARE", default_value_t = 1.0)]
+    pub local_share: f64,
+    /// Consecutive backend failures that open the circuit breaker.
+    #[arg(long, env = "TURNSTILE_BREAKER_FAILURES", default_value_t = 5)]
+    pub breaker_failures: u32,
+    /// Longest wait between probes of a failed backend.
+    #[arg(long, env = "TURNSTILE_BREAKER_MAX_BACKOFF", value_parser = duration, default_value = "1s")]
+    pub breaker_max_backoff: Duration,
 
     /// What a refused request costs its other descriptors.
     #[arg(long, env = "TURNSTILE_CHARGING", value_enum, default_value = "atomic")]

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use metrics::{Counter, Key, Label, Metadata, Recorder};
+use metrics::{Counter, Gauge, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 use crate::backend::Outcome;
@@ -48,12 +48,15 @@ pub struct Metrics {
     pub global_shadow_mode: Counter,
     pub invalid_request: Counter,
     pub backend_error: Counter,
+    pub fallback_answers: Counter,
+    circuit_open: Gauge,
 }
 
 /// A counter handle, registered directly on our recorder (no global recorder, so several
 /// services can live in one process, as in tests).
+static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
+
 fn counter(recorder: &PrometheusRecorder, name: &'static str, labels: Vec<Label>) -> Counter {
-    static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
     recorder.register_counter(&Key::from_parts(name, labels), &METADATA)
 }
 
@@ -76,6 +79,9 @@ impl Metrics {
                 "ratelimit_service_should_rate_limit_error",
                 vec![Label::new("err_type", "backend")],
             ),
+            fallback_answers: plain("turnstile_backend_fallback_answers"),
+            circuit_open: recorder
+                .register_gauge(&Key::from_name("turnstile_backend_circuit_open"), &METADATA),
             recorder,
             handle,
             near_limit_ratio,
@@ -145,6 +151,20 @@ impl Metrics {
                 counters.shadow_mode.increment(hit.hits);
             }
         }
+    }
+
+    /// The circuit breaker moved to `state` ("open" or "closed").
+    pub fn circuit_transition(&self, state: &'static str) {
+        counter(
+            &self.recorder,
+            "turnstile_backend_circuit_transitions",
+            vec![Label::new("state", state)],
+        )
+        .increment(1);
+    }
+
+    pub fn set_circuit_open(&self, open: bool) {
+        self.circuit_open.set(if open { 1.0 } else { 0.0 });
     }
 
     pub fn domain_not_found(&self, domain: &str) {

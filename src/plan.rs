@@ -10,6 +10,7 @@ use std::collections::HashSet;
 
 use crate::backend::{Hit, Role};
 use crate::config::{DomainRules, Rule, RuleSet};
+use crate::fallback::FailurePolicy;
 use crate::key::limit_key;
 use crate::limit::Limit;
 use crate::request::{CheckRequest, Descriptor};
@@ -43,6 +44,8 @@ pub struct Plan<'a> {
     pub hits: Vec<Hit>,
     /// The request named a domain no rules define.
     pub unknown_domain: bool,
+    /// The domain's own failure policy, when its rules set one.
+    pub on_backend_error: Option<FailurePolicy>,
 }
 
 /// `<domain>.<key>_<value>.…` from the request's own values: the stats key of detailed
@@ -65,6 +68,7 @@ impl<'a> Plan<'a> {
                 decisions: vec![Decision::NoLimit; request.descriptors.len()],
                 hits: Vec::new(),
                 unknown_domain: true,
+                on_backend_error: None,
             };
         };
         let matched: Vec<Option<&Rule>> = request
@@ -81,7 +85,10 @@ impl<'a> Plan<'a> {
             .flat_map(|rule| rule.replaces.iter().map(String::as_str))
             .collect();
 
-        let mut plan = Plan::default();
+        let mut plan = Plan {
+            on_backend_error: domain.on_backend_error(),
+            ..Plan::default()
+        };
         for (descriptor, rule) in request.descriptors.iter().zip(matched) {
             let decision = plan.decide(domain, descriptor, rule, &replaced);
             plan.decisions.push(decision);

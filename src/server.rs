@@ -13,10 +13,12 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
+use crate::backend::breaker::{Breaker, BreakerConfig};
 use crate::backend::memory::MemoryBackend;
 use crate::backend::{Backend, Charging};
-use crate::cli::{BackendKind, ChargingArg, HeadersArg, ServeArgs};
+use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, ServeArgs};
 use crate::config::{self, RuleSet};
+use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
@@ -50,6 +52,12 @@ fn settings(args: &ServeArgs) -> Settings {
         response: ResponseSettings {
             headers,
             global_shadow: args.shadow_mode,
+        },
+        on_backend_error: match args.on_backend_error {
+            PolicyArg::Error => FailurePolicy::Error,
+            PolicyArg::Allow => FailurePolicy::Allow,
+            PolicyArg::Deny => FailurePolicy::Deny,
+            PolicyArg::Local => FailurePolicy::Local,
         },
     }
 }
@@ -88,9 +96,17 @@ async fn run<B: Backend>(
     let rules = Arc::new(ActiveRules::new(rules));
     let reloader = Reloader::new(args.config.clone(), rules.clone(), metrics.clone());
     let watcher = tokio::spawn(reloader.watch(args.config_poll_interval));
+    let fallback = Fallback::new(args.local_share, args.memory_max_keys);
+    fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);
+    let breaker = BreakerConfig {
+        failures_to_open: args.breaker_failures,
+        max_backoff: args.breaker_max_backoff,
+        ..BreakerConfig::default()
+    };
     let limiter = Arc::new(RateLimiter::new(
         rules.clone(),
-        backend,
+        Breaker::new(backend, breaker, metrics.clone()),
+        fallback,
         settings(args),
         metrics.clone(),
     ));

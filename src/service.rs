@@ -11,7 +11,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use tonic::{Request, Response, Status};
 
 use crate::active::ActiveRules;
-use crate::backend::{Backend, Charging, Outcome, Role};
+use crate::backend::{Backend, BackendError, Charging, Outcome, Role};
+use crate::fallback::{FailurePolicy, Fallback};
 use crate::metrics::{Metrics, RuleHit};
 use crate::plan::{Decision, Plan};
 use crate::request::{Bounds, CheckRequest};
@@ -22,11 +23,14 @@ pub struct Settings {
     pub bounds: Bounds,
     pub charging: Charging,
     pub response: ResponseSettings,
+    /// What to answer when the backend fails, unless a domain's rules say otherwise.
+    pub on_backend_error: FailurePolicy,
 }
 
 pub struct RateLimiter<B> {
     rules: Arc<ActiveRules>,
     backend: B,
+    fallback: Fallback,
     settings: Settings,
     metrics: Arc<Metrics>,
 }
@@ -35,12 +39,14 @@ impl<B: Backend> RateLimiter<B> {
     pub fn new(
         rules: Arc<ActiveRules>,
         backend: B,
+        fallback: Fallback,
         settings: Settings,
         metrics: Arc<Metrics>,
     ) -> RateLimiter<B> {
         RateLimiter {
             rules,
             backend,
+            fallback,
             settings,
             metrics,
         }
@@ -64,14 +70,14 @@ impl<B: Backend> RateLimiter<B> {
         let outcomes = if plan.hits.is_empty() {
             Vec::new()
         } else {
-            self.backend
+            match self
+                .backend
                 .evaluate(&plan.hits, self.settings.charging)
                 .await
-                .map_err(|error| {
-                    self.metrics.backend_error.increment(1);
-                    tracing::warn!(%error, domain = request.domain, "backend error");
-                    Status::unavailable(error.to_string())
-                })?
+            {
+                Ok(outcomes) => outcomes,
+                Err(error) => self.on_backend_error(&plan, request.domain, error)?,
+            }
         };
         self.record(&plan, &outcomes);
         let built = response::build(&plan, &outcomes, &self.settings.response);
@@ -79,6 +85,28 @@ impl<B: Backend> RateLimiter<B> {
             self.metrics.global_shadow_mode.increment(1);
         }
         Ok(built.response)
+    }
+
+    /// Answer by the failure policy (the domain's, else the global one).
+    fn on_backend_error(
+        &self,
+        plan: &Plan<'_>,
+        domain: &str,
+        error: BackendError,
+    ) -> Result<Vec<Outcome>, Status> {
+        self.metrics.backend_error.increment(1);
+        let policy = plan
+            .on_backend_error
+            .unwrap_or(self.settings.on_backend_error);
+        tracing::warn!(%error, domain, %policy, "backend error; answering by policy");
+        let unavailable = |error: BackendError| Status::unavailable(error.to_string());
+        let outcomes = self
+            .fallback
+            .outcomes(policy, &plan.hits, self.settings.charging)
+            .ok_or_else(|| unavailable(error))?
+            .map_err(unavailable)?;
+        self.metrics.fallback_answers.increment(1);
+        Ok(outcomes)
     }
 
     fn record(&self, plan: &Plan<'_>, outcomes: &[Outcome]) {

@@ -243,13 +243,24 @@ impl MemoryBackend {
     }
 }
 
+impl MemoryBackend {
+    /// `Backend::evaluate` without the future: the work never waits.
+    pub fn evaluate_sync(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        self.evaluate_now(hits, charging, now_micros())
+    }
+}
+
 impl Backend for MemoryBackend {
     async fn evaluate(
         &self,
         hits: &[Hit],
         charging: Charging,
     ) -> Result<Vec<Outcome>, BackendError> {
-        self.evaluate_now(hits, charging, now_micros())
+        self.evaluate_sync(hits, charging)
     }
 
     async fn ready(&self) -> bool {

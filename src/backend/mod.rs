@@ -5,6 +5,7 @@
 //! its others. Backends differ only in where the state is (process memory, Redis) and whose
 //! clock they read; the arithmetic is the algorithms'.
 
+pub mod breaker;
 pub mod memory;
 
 use std::future::Future;
@@ -59,6 +60,8 @@ pub enum BackendError {
     Unavailable(String),
     #[error("backend is full: {0}")]
     Full(String),
+    #[error("backend circuit open: failing fast")]
+    CircuitOpen,
 }
 
 /// Storage for limit state.

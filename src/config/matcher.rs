@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::fallback::FailurePolicy;
 use crate::limit::{Algorithm, Limit};
 
 /// Every loaded domain, and what they were loaded from.
@@ -68,11 +69,27 @@ pub struct DomainRules {
     root: Level,
     /// Every rule of the tree; tree nodes refer to them by index.
     rules: Vec<Rule>,
+    on_backend_error: Option<FailurePolicy>,
 }
 
 impl DomainRules {
-    pub(super) fn new(name: String, root: Level, rules: Vec<Rule>) -> DomainRules {
-        DomainRules { name, root, rules }
+    pub(super) fn new(
+        name: String,
+        root: Level,
+        rules: Vec<Rule>,
+        on_backend_error: Option<FailurePolicy>,
+    ) -> DomainRules {
+        DomainRules {
+            name,
+            root,
+            rules,
+            on_backend_error,
+        }
+    }
+
+    /// This domain's failure policy, when its rules set one.
+    pub fn on_backend_error(&self) -> Option<FailurePolicy> {
+        self.on_backend_error
     }
 
     pub fn name(&self) -> &str {

@@ -8,8 +8,8 @@
 use super::ConfigError;
 use super::yaml::{self, Kind, Node, Pos};
 
-/// The reference's allow-list plus our additive `algorithm` and `burst`.
-const KNOWN_KEYS: [&str; 18] = [
+/// The reference's allow-list plus our additive `algorithm`, `burst` and `on_backend_error`.
+const KNOWN_KEYS: [&str; 19] = [
     "domain",
     "key",
     "value",
@@ -28,6 +28,7 @@ const KNOWN_KEYS: [&str; 18] = [
     "metadata",
     "algorithm",
     "burst",
+    "on_backend_error",
 ];
 
 /// A value with the position it was written at, for fields whose errors are found later.
@@ -43,6 +44,8 @@ pub struct DomainSpec {
     /// Empty when missing or null.
     pub domain: String,
     pub descriptors: Vec<DescriptorSpec>,
+    /// What to answer when the backend fails, for this domain.
+    pub on_backend_error: Option<Spanned<String>>,
     /// The `domain` value, or the document when there is none.
     pub pos: Pos,
 }
@@ -82,6 +85,7 @@ pub fn parse(file: &str, document: &Node, errors: &mut Vec<ConfigError>) -> Opti
     let mut spec = DomainSpec {
         domain: String::new(),
         descriptors: Vec::new(),
+        on_backend_error: None,
         pos: document.pos,
     };
     match &document.kind {
@@ -96,6 +100,9 @@ pub fn parse(file: &str, document: &Node, errors: &mut Vec<ConfigError>) -> Opti
                         spec.pos = value.pos;
                     }
                     Some("descriptors") => spec.descriptors = reader.descriptors(value),
+                    Some(name @ "on_backend_error") => {
+                        spec.on_backend_error = reader.spanned_string(value, name)
+                    }
                     _ => {}
                 }
             }

@@ -9,6 +9,7 @@ use super::ConfigError;
 use super::matcher::{DomainRules, Level, Rule, Step};
 use super::model::{DescriptorSpec, DomainSpec, RateLimitSpec};
 use super::yaml::Pos;
+use crate::fallback::FailurePolicy;
 use crate::limit::{Algorithm, Limit, Unit};
 
 /// A sliding window keeps one entry per admitted request, so its limit is capped to bound the
@@ -26,6 +27,19 @@ impl Validator {
         let mut check = Check { file, errors };
         let mut rules = Vec::new();
         let root = check.level(&spec.domain, &spec.descriptors, &mut rules);
+        let on_backend_error = spec.on_backend_error.as_ref().and_then(|policy| {
+            let parsed = FailurePolicy::parse(&policy.value);
+            if parsed.is_none() {
+                check.error(
+                    policy.pos,
+                    format!(
+                        "invalid on_backend_error '{}' (expected error, allow, deny or local)",
+                        policy.value
+                    ),
+                );
+            }
+            parsed
+        });
         if spec.domain.is_empty() {
             check.error(spec.pos, "config file cannot have empty domain".to_owned());
         } else if self.domains.contains_key(&spec.domain) {
@@ -36,7 +50,7 @@ impl Validator {
         } else {
             self.domains.insert(
                 spec.domain.clone(),
-                DomainRules::new(spec.domain.clone(), root, rules),
+                DomainRules::new(spec.domain.clone(), root, rules, on_backend_error),
             );
         }
     }
@@ -260,6 +274,19 @@ mod tests {
         assert_eq!(
             errors("# nothing\n---\n"),
             ["v.yaml:1:1: config file cannot have empty domain"]
+        );
+    }
+
+    #[test]
+    fn on_backend_error_is_a_known_policy() {
+        let rules = load_str("v.yaml", "domain: d\non_backend_error: local\n").unwrap();
+        assert_eq!(
+            rules.domain("d").unwrap().on_backend_error(),
+            Some(FailurePolicy::Local)
+        );
+        assert_eq!(
+            errors("domain: d\non_backend_error: open\n"),
+            ["v.yaml:2:19: invalid on_backend_error 'open' (expected error, allow, deny or local)"]
         );
     }
 
