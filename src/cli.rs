@@ -109,6 +109,28 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_GRPC_ADDR")]
     pub grpc_addr: Option<SocketAddr>,
 
+    /// Serve gRPC over TLS (with --grpc-tls-cert and --grpc-tls-key).
+    #[arg(long, env = "GRPC_SERVER_USE_TLS")]
+    pub grpc_tls: bool,
+    /// PEM certificate chain for gRPC TLS.
+    #[arg(long, env = "GRPC_SERVER_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// PEM private key for gRPC TLS.
+    #[arg(long, env = "GRPC_SERVER_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// PEM CA bundle: when set, clients must present a certificate it signed (mTLS).
+    #[arg(long, env = "GRPC_CLIENT_TLS_CACERT", requires = "grpc_tls_cert")]
+    pub grpc_client_ca: Option<PathBuf>,
+    /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT", default_value_t = 10_000)]
+    pub max_in_flight: usize,
+    /// Largest gRPC request accepted, in bytes.
+    #[arg(long, env = "TURNSTILE_MAX_MESSAGE_BYTES", default_value_t = 1 << 20)]
+    pub max_message_bytes: usize,
+    /// Bound on a whole call, whatever it waits for.
+    #[arg(long, env = "TURNSTILE_REQUEST_TIMEOUT", value_parser = duration, default_value = "1s")]
+    pub request_timeout: Duration,
+
     /// Admin HTTP listen host.
     #[arg(long, env = "HOST", default_value = "0.0.0.0")]
     pub http_host: IpAddr,

@@ -15,6 +15,7 @@ pub mod fallback;
 pub mod health;
 pub mod json;
 pub mod key;
+pub mod layers;
 pub mod limit;
 pub mod metrics;
 pub mod plan;

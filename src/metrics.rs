@@ -9,10 +9,20 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use metrics::{Counter, Gauge, Key, Label, Metadata, Recorder};
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 use crate::backend::Outcome;
+
+/// gRPC methods with their own series; any other path is counted as "other".
+const GRPC_METHODS: [&str; 4] = ["ShouldRateLimit", "Check", "Watch", "other"];
+
+/// Latency buckets, in seconds: a decision should take well under a millisecond.
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
 
 /// Default cap on series whose labels come from requests.
 pub const DEFAULT_MAX_SERIES: usize = 10_000;
@@ -36,8 +46,23 @@ pub struct RuleHit<'a> {
     pub shadow: bool,
 }
 
+/// Calls and latency of one gRPC method.
+#[derive(Clone)]
+pub struct MethodMetrics {
+    total_requests: Counter,
+    response_time: Histogram,
+}
+
+impl MethodMetrics {
+    pub fn observe(&self, elapsed: Duration) {
+        self.total_requests.increment(1);
+        self.response_time.record(elapsed.as_secs_f64());
+    }
+}
+
 pub struct Metrics {
     recorder: PrometheusRecorder,
+    methods: Vec<MethodMetrics>,
     handle: PrometheusHandle,
     near_limit_ratio: f64,
     max_series: usize,
@@ -62,10 +87,27 @@ fn counter(recorder: &PrometheusRecorder, name: &'static str, labels: Vec<Label>
 
 impl Metrics {
     pub fn new(near_limit_ratio: f64, max_series: usize) -> Metrics {
-        let recorder = PrometheusBuilder::new().build_recorder();
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(&LATENCY_BUCKETS)
+            .expect("static, non-empty buckets")
+            .build_recorder();
         let handle = recorder.handle();
         let plain = |name| counter(&recorder, name, Vec::new());
+        let methods = GRPC_METHODS
+            .iter()
+            .map(|&method| {
+                let label = || vec![Label::new("grpc_method", method)];
+                MethodMetrics {
+                    total_requests: counter(&recorder, "ratelimit_service_total_requests", label()),
+                    response_time: recorder.register_histogram(
+                        &Key::from_parts("ratelimit_service_response_time_seconds", label()),
+                        &METADATA,
+                    ),
+                }
+            })
+            .collect();
         Metrics {
+            methods,
             config_load_success: plain("ratelimit_service_config_load_success"),
             config_load_error: plain("ratelimit_service_config_load_error"),
             global_shadow_mode: plain("ratelimit_service_global_shadow_mode"),
@@ -151,6 +193,16 @@ impl Metrics {
                 counters.shadow_mode.increment(hit.hits);
             }
         }
+    }
+
+    /// Series for the gRPC method of a request path (`/package.Service/Method`).
+    pub fn grpc_method(&self, path: &str) -> MethodMetrics {
+        let method = path.rsplit('/').next().unwrap_or_default();
+        let index = GRPC_METHODS
+            .iter()
+            .position(|m| *m == method)
+            .unwrap_or(GRPC_METHODS.len() - 1);
+        self.methods[index].clone()
     }
 
     /// The circuit breaker moved to `state` ("open" or "closed").

@@ -10,6 +10,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
@@ -20,6 +21,7 @@ use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, ServeArgs};
 use crate::config::{self, RuleSet};
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::Health;
+use crate::layers::GrpcMetricsLayer;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::request::Bounds;
@@ -131,13 +133,28 @@ async fn run<B: Backend>(
         .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
     tracing::info!(%grpc_addr, %http_addr, "listening");
 
+    let tls = tls_config(args)?;
     let (stop, stopped) = watch::channel(false);
     let until_stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let grpc = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).context("gRPC TLS")?;
+    }
+    let grpc = builder
+        .timeout(args.request_timeout)
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(GrpcMetricsLayer::new(metrics.clone()))
+                .load_shed()
+                .concurrency_limit(args.max_in_flight),
+        )
         .add_service(health_service)
-        .add_service(RateLimitServiceServer::from_arc(limiter.clone()))
+        .add_service(
+            RateLimitServiceServer::from_arc(limiter.clone())
+                .max_decoding_message_size(args.max_message_bytes),
+        )
         .serve_with_incoming_shutdown(
             TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             until_stopped(stopped.clone()),
@@ -175,6 +192,24 @@ async fn run<B: Backend>(
     watcher.abort();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// gRPC TLS from the certificate files, with client verification when a CA is given.
+fn tls_config(args: &ServeArgs) -> anyhow::Result<Option<ServerTlsConfig>> {
+    let (Some(cert), Some(key)) = (&args.grpc_tls_cert, &args.grpc_tls_key) else {
+        if args.grpc_tls {
+            anyhow::bail!("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY");
+        }
+        return Ok(None);
+    };
+    let read = |path: &std::path::PathBuf| {
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+    };
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+    if let Some(ca) = &args.grpc_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(Some(tls))
 }
 
 async fn shutdown_signal() {

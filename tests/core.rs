@@ -486,3 +486,113 @@ fn serve_refuses_to_start_on_bad_rules_and_says_where() {
     assert!(stderr.contains("rules.yaml:3:"), "{stderr}");
     assert!(stderr.contains("descriptor has empty key"), "{stderr}");
 }
+
+/// A CA, a server certificate for localhost and a client certificate, as PEM files.
+struct Certs {
+    dir: tempfile::TempDir,
+    ca: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn certs() -> Certs {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into()]);
+    let (client_cert, client_key) = leaf(vec!["client".into()]);
+    let dir = tempfile::tempdir().unwrap();
+    for (name, pem) in [
+        ("ca.pem", ca.pem()),
+        ("server.pem", server_cert),
+        ("server.key", server_key),
+    ] {
+        std::fs::write(dir.path().join(name), pem).unwrap();
+    }
+    Certs {
+        dir,
+        ca: ca.pem(),
+        client_cert,
+        client_key,
+    }
+}
+
+#[tokio::test]
+async fn grpc_over_mutual_tls_admits_only_clients_with_a_certificate() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+    let certs = certs();
+    let file = |name: &str| certs.dir.path().join(name).to_string_lossy().into_owned();
+    let (_rules, t) = start(&[
+        "--grpc-tls-cert",
+        &file("server.pem"),
+        "--grpc-tls-key",
+        &file("server.key"),
+        "--grpc-client-ca",
+        &file("ca.pem"),
+    ])
+    .await;
+    let connect = |identity: Option<Identity>| {
+        let mut tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&certs.ca))
+            .domain_name("localhost");
+        if let Some(identity) = identity {
+            tls = tls.identity(identity);
+        }
+        let uri = format!("https://localhost:{}", t.grpc.port());
+        async move {
+            let channel = Channel::from_shared(uri).unwrap().tls_config(tls).unwrap();
+            let mut client = RateLimitServiceClient::new(channel.connect().await?);
+            client
+                .should_rate_limit(request("test", vec![descriptor(&[("wide", "tls")])]))
+                .await
+                .map_err(|status| -> Box<dyn std::error::Error> { Box::new(status) })
+        }
+    };
+    let with_cert = connect(Some(Identity::from_pem(
+        &certs.client_cert,
+        &certs.client_key,
+    )))
+    .await;
+    assert_eq!(
+        with_cert.unwrap().into_inner().statuses[0].limit_remaining,
+        9
+    );
+    assert!(
+        connect(None).await.is_err(),
+        "a client without a certificate is refused"
+    );
+    assert!(
+        t.call(request("test", vec![descriptor(&[("wide", "tls")])]))
+            .await
+            .is_err(),
+        "plaintext is refused"
+    );
+}
+
+#[tokio::test]
+async fn oversized_messages_are_refused_before_decoding() {
+    let (_rules, t) = start(&["--max-message-bytes", "4096"]).await;
+    let status = t
+        .call(request(
+            "test",
+            vec![descriptor(&[("wide", &"x".repeat(8192))])],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    let fine = t
+        .call(request("test", vec![descriptor(&[("wide", "x")])]))
+        .await;
+    assert!(fine.is_ok());
+}
