@@ -5,12 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+sudo=""
+[ "$(id -u)" = 0 ] || sudo="sudo"
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
   echo "installing redis-server (the tests start their own instances)" >&2
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq redis-server >/dev/null
 fi
 
 cargo test "$@"
+
+# The example and deployment files (Envoy bootstrap, docker-compose, Istio manifests) are
+# checked against the real Envoy protos and schemas; the rules they use against the binary.
+venv="${TMPDIR:-/tmp}/turnstile-examples-venv"
+if [ ! -x "$venv/bin/python" ] && ! python3 -m venv "$venv"; then
+  $sudo apt-get install -y -qq python3-venv >/dev/null
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/requirements-examples.txt
+"$venv/bin/python" scripts/check_examples.py
