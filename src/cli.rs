@@ -219,6 +219,9 @@ pub struct ServeArgs {
     pub limit_remaining_header: String,
     #[arg(long, env = "LIMIT_RESET_HEADER", default_value = "RateLimit-Reset")]
     pub limit_reset_header: String,
+    /// Attach dynamic_metadata naming the deciding rule, its algorithm and the outcome.
+    #[arg(long, env = "TURNSTILE_RESPONSE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
+    pub response_metadata: bool,
     /// Answer OK even when over a limit (statuses still say OVER_LIMIT).
     #[arg(long, env = "SHADOW_MODE")]
     pub shadow_mode: bool,

@@ -18,7 +18,8 @@ use crate::request::{CheckRequest, Descriptor};
 /// The rule (or request override) that governs a descriptor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Applied<'a> {
-    /// `current_limit.name` in the answer.
+    /// `current_limit.name` in the answer: the rule's `name`, else its descriptor path (so
+    /// every answer says which rule decided), or "override" for a request-supplied limit.
     pub name: &'a str,
     /// The stats key its counters are filed under.
     pub stats_key: Cow<'a, str>,
@@ -107,7 +108,7 @@ impl<'a> Plan<'a> {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor));
-                (limit, ("", stats_key, Role::Enforce))
+                (limit, ("override", stats_key, Role::Enforce))
             }
             (None, None) => return Decision::NoLimit,
             (None, Some(rule)) => {
@@ -129,7 +130,8 @@ impl<'a> Plan<'a> {
                 } else {
                     Role::Enforce
                 };
-                (limit, (rule.name.as_deref().unwrap_or(""), stats_key, role))
+                let name = rule.name.as_deref().unwrap_or(&rule.full_key);
+                (limit, (name, stats_key, role))
             }
         };
         let (name, stats_key, role) = applied;

@@ -10,7 +10,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, ListValue, Struct, Value};
 
 use crate::backend::{Outcome, Role, request_refused};
 use crate::plan::{Applied, Decision, Plan};
@@ -43,6 +44,8 @@ impl Headers {
 #[derive(Debug, Clone, Default)]
 pub struct ResponseSettings {
     pub headers: Headers,
+    /// Attach `dynamic_metadata` naming the deciding rule (for Envoy's access logs).
+    pub metadata: bool,
     /// Global shadow mode: an OVER_LIMIT answer is turned into OK (statuses keep theirs).
     pub global_shadow: bool,
 }
@@ -105,6 +108,9 @@ pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings)
     }));
     let shadowed_globally = over && settings.global_shadow;
     let response_headers_to_add = headers(plan, &statuses, &settings.headers);
+    let dynamic_metadata = settings
+        .metadata
+        .then(|| metadata(plan, &statuses, outcomes));
     Built {
         response: RateLimitResponse {
             overall_code: if over && !shadowed_globally {
@@ -115,6 +121,7 @@ pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings)
             .into(),
             statuses,
             response_headers_to_add,
+            dynamic_metadata,
             ..Default::default()
         },
         shadowed_globally,
@@ -195,6 +202,66 @@ fn headers(plan: &Plan<'_>, statuses: &[DescriptorStatus], style: &Headers) -> V
             ]
         }
     }
+}
+
+/// What happened to one descriptor, in words for access logs.
+fn outcome_name(decision: &Decision<'_>, outcomes: &[Outcome]) -> &'static str {
+    match decision {
+        Decision::NoLimit => "no_limit",
+        Decision::Unlimited => "unlimited",
+        Decision::Limited(a) if outcomes[a.hit].admitted => "ok",
+        Decision::Limited(a) => match a.role {
+            Role::Enforce => "over_limit",
+            Role::Shadow => "shadow_over_limit",
+            Role::Quota => "quota_over_limit",
+        },
+    }
+}
+
+fn text(value: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(value.to_owned())),
+    }
+}
+
+fn object(fields: impl IntoIterator<Item = (&'static str, Value)>) -> Struct {
+    Struct {
+        fields: fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+    }
+}
+
+/// `{rule, algorithm, outcome}` of the deciding descriptor (the one the headers describe)
+/// at the top, for `%DYNAMIC_METADATA(envoy.filters.http.ratelimit:rule)%`, and the same
+/// for every descriptor under `descriptors`.
+fn metadata(plan: &Plan<'_>, statuses: &[DescriptorStatus], outcomes: &[Outcome]) -> Struct {
+    let describe = |decision: &Decision<'_>| {
+        let mut fields = vec![("outcome", text(outcome_name(decision, outcomes)))];
+        if let Decision::Limited(a) = decision {
+            fields.push(("rule", text(a.name)));
+            fields.push(("algorithm", text(a.limit.algorithm.name())));
+        }
+        fields
+    };
+    let descriptors = plan
+        .decisions
+        .iter()
+        .map(|d| Value {
+            kind: Some(Kind::StructValue(object(describe(d)))),
+        })
+        .collect();
+    let mut top = match headline(plan, statuses) {
+        Some((index, _)) => describe(&plan.decisions[index]),
+        None => vec![("outcome", text("no_limit"))],
+    };
+    top.push((
+        "descriptors",
+        Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: descriptors,
+            })),
+        },
+    ));
+    object(top)
 }
 
 #[cfg(test)]

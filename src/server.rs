@@ -53,6 +53,7 @@ fn settings(args: &ServeArgs) -> Settings {
         },
         response: ResponseSettings {
             headers,
+            metadata: args.response_metadata,
             global_shadow: args.shadow_mode,
         },
         on_backend_error: match args.on_backend_error {

@@ -596,3 +596,43 @@ async fn oversized_messages_are_refused_before_decoding() {
         .await;
     assert!(fine.is_ok());
 }
+
+#[tokio::test]
+async fn every_answer_names_the_deciding_rule_in_status_and_metadata() {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let (_rules, t) = start(&[]).await;
+    let both = || {
+        request(
+            "test",
+            vec![
+                descriptor(&[("key1", "value1"), ("subkey1", "x")]),
+                descriptor(&[("narrow", "m")]),
+            ],
+        )
+    };
+    let first = t.call(both()).await.unwrap();
+    let names: Vec<&str> = first
+        .statuses
+        .iter()
+        .map(|s| s.current_limit.as_ref().unwrap().name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["test.key1_value1.subkey1", "test.narrow"],
+        "no YAML name: the path"
+    );
+
+    let refused = t.call(both()).await.unwrap();
+    let metadata = refused.dynamic_metadata.expect("dynamic_metadata");
+    let field = |name: &str| match &metadata.fields[name].kind {
+        Some(Kind::StringValue(s)) => s.clone(),
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(field("rule"), "test.narrow");
+    assert_eq!(field("algorithm"), "fixed_window");
+    assert_eq!(field("outcome"), "over_limit");
+    let Some(Kind::ListValue(list)) = &metadata.fields["descriptors"].kind else {
+        panic!("descriptors");
+    };
+    assert_eq!(list.values.len(), 2);
+}
