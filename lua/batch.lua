@@ -3,7 +3,8 @@
 -- KEYS[i] is hit i's key (all of them share one slot when there are several). ARGV: mode,
 -- nonce, then 6 values per hit: algorithm, limit, window seconds, burst, cost, and a last
 -- value that is the role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the
--- stamp the charging call replied.
+-- stamp the charging call replied. A refund passes every hit of the charging call, in the same
+-- order (members are named after their index), with cost 0 for the hits that were not charged.
 --
 -- Modes. 'atomic': check every hit, then charge the admitted ones only if the request as a
 -- whole passes (no enforced hit refused, and not every quota hit refused). 'each': charge
@@ -34,7 +35,9 @@ end
 
 if mode == 'refund' then
   for _, h in ipairs(hits) do
-    h.algorithm.refund(h, now)
+    if h.hits > 0 then
+      h.algorithm.refund(h, now)
+    end
   end
   return {}
 end

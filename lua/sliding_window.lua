@@ -34,14 +34,15 @@ ALGORITHMS.sliding_window = {
     -- Refused: wait until enough of the oldest entries have aged out.
     local reset = window
     if h.hits <= h.limit then
-      local must_free, freed, from = after - h.limit, 0, 0
-      while reset == window do
+      local must_free, freed, from, found = after - h.limit, 0, 0, false
+      while not found do
         local page = redis.call('ZRANGE', log, from, from + 99, 'WITHSCORES')
         if #page == 0 then break end
         for i = 1, #page, 2 do
           freed = freed + cost_of(page[i])
           if freed >= must_free then
             reset = tonumber(page[i + 1]) + window - now
+            found = true
             break
           end
         end
@@ -52,7 +53,9 @@ ALGORITHMS.sliding_window = {
   end,
 
   commit = function(h, now, v)
-    local ttl = h.window * 1000
+    -- PEXPIRE counts from the server's millisecond, which may precede 'now' by up to 1 ms; the
+    -- extra millisecond keeps the log until its newest entry has really left the window.
+    local ttl = h.window * 1000 + 1
     redis.call('ZADD', h.key, now, h.member .. ':' .. h.hits)
     redis.call('PEXPIRE', h.key, ttl)
     redis.call('INCRBY', h.key .. ':n', h.hits)

@@ -15,9 +15,11 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
 use crate::backend::breaker::{Breaker, BreakerConfig};
+use crate::backend::deferred::Deferred;
 use crate::backend::memory::MemoryBackend;
+use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use crate::backend::{Backend, Charging};
-use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, ServeArgs};
+use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
 use crate::config::{self, RuleSet};
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::Health;
@@ -65,6 +67,40 @@ fn settings(args: &ServeArgs) -> Settings {
     }
 }
 
+/// The Redis settings; `REDIS_URL` is read as the reference reads it: one address, a
+/// comma-separated list of Cluster seeds, or for Sentinel the master's name followed by the
+/// Sentinels' addresses.
+fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
+    let mut urls: Vec<String> = args
+        .redis_url
+        .split(',')
+        .map(|u| u.trim().to_owned())
+        .filter(|u| !u.is_empty())
+        .collect();
+    let mode = match args.redis_type {
+        RedisType::Single => RedisMode::Single,
+        RedisType::Cluster => RedisMode::Cluster,
+        RedisType::Sentinel => {
+            if urls.len() < 2 {
+                anyhow::bail!(
+                    "REDIS_TYPE=sentinel needs REDIS_URL as 'master-name,sentinel:port,...'"
+                );
+            }
+            RedisMode::Sentinel {
+                master: urls.remove(0),
+            }
+        }
+    };
+    Ok(RedisConfig {
+        urls,
+        mode,
+        connections: args.redis_connections,
+        connect_timeout: args.redis_connect_timeout,
+        call_timeout: args.redis_timeout,
+        key_prefix: args.cache_key_prefix.clone(),
+    })
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let rules = config::load(&args.config).map_err(|errors| {
         anyhow::anyhow!(
@@ -86,7 +122,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             run(backend, &args, rules, metrics).await
         }
-        BackendKind::Redis => anyhow::bail!("the redis backend is not built yet"),
+        BackendKind::Redis => {
+            let config = redis_config(&args)?;
+            tracing::info!(?config, "connecting to Redis");
+            let backend = Deferred::connect(move || {
+                let config = config.clone();
+                async move { RedisBackend::connect(&config).await }
+            });
+            run(backend, &args, rules, metrics).await
+        }
     }
 }
 

@@ -6,7 +6,9 @@
 //! clock they read; the arithmetic is the algorithms'.
 
 pub mod breaker;
+pub mod deferred;
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 use std::time::Duration;

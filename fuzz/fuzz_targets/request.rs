@@ -1,0 +1,55 @@
+//! Any bytes as a ShouldRateLimit request, through validation, matching, the memory backend
+//! and the answer: refused or answered, never a panic.
+#![no_main]
+
+use std::sync::LazyLock;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use libfuzzer_sys::fuzz_target;
+use prost::Message;
+use turnstile::backend::Charging;
+use turnstile::backend::memory::MemoryBackend;
+use turnstile::config::{RuleSet, load_str};
+use turnstile::plan::Plan;
+use turnstile::request::{Bounds, CheckRequest};
+use turnstile::response::{self, Headers, ResponseSettings};
+
+const RULES: &str = "
+domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: w
+    value: a*b
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window}
+  - key: t
+    quota_mode: true
+    rate_limit: {name: t, unit: hour, requests_per_unit: 5, algorithm: token_bucket, burst: 2}
+    descriptors:
+      - key: u
+        rate_limit: {unlimited: true, replaces: [{name: t}]}
+";
+
+static RULE_SET: LazyLock<RuleSet> = LazyLock::new(|| load_str("fuzz.yaml", RULES).unwrap());
+static BACKEND: LazyLock<MemoryBackend> = LazyLock::new(|| MemoryBackend::new(10_000));
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(request) = RateLimitRequest::decode(data) else {
+        return;
+    };
+    let Ok(checked) = CheckRequest::parse(&request, &Bounds::default()) else {
+        return;
+    };
+    let plan = Plan::build(&RULE_SET, &checked);
+    let Ok(outcomes) = BACKEND.evaluate_sync(&plan.hits, Charging::Atomic) else {
+        return;
+    };
+    let settings = ResponseSettings {
+        headers: Headers::Ietf,
+        metadata: true,
+        global_shadow: false,
+    };
+    let built = response::build(&plan, &outcomes, &settings);
+    assert_eq!(built.response.statuses.len(), request.descriptors.len());
+});

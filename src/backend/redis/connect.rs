@@ -1,0 +1,211 @@
+//! Connections: a few multiplexed connections used round-robin, built for the configured
+//! mode. Reconnecting is the connections' own job (redis-rs `ConnectionManager`, and the
+//! Cluster client, which also follows MOVED/ASK and refreshes the topology); following a
+//! Sentinel failover is `sentinel`'s.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClientBuilder;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{
+    AsyncConnectionConfig, Client, Cmd, ConnectionInfo, FromRedisValue, IntoConnectionInfo,
+    RedisError, RedisResult,
+};
+
+use super::sentinel::SentinelPool;
+use super::{RedisConfig, RedisMode};
+use crate::backend::BackendError;
+
+/// Connections picked in turn, so concurrent requests spread over them.
+pub(super) struct RoundRobin<C> {
+    connections: Vec<C>,
+    next: AtomicUsize,
+}
+
+impl<C: Clone> RoundRobin<C> {
+    pub(super) fn new(connections: Vec<C>) -> RoundRobin<C> {
+        assert!(!connections.is_empty());
+        RoundRobin {
+            connections,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    pub(super) fn pick(&self) -> C {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        self.connections[i].clone()
+    }
+}
+
+pub(super) enum Pool {
+    Single(RoundRobin<ConnectionManager>),
+    Sentinel(Arc<SentinelPool>),
+    Cluster(RoundRobin<ClusterConnection>),
+}
+
+impl Pool {
+    pub(super) async fn connect(config: &RedisConfig) -> Result<Pool, BackendError> {
+        let infos = config
+            .urls
+            .iter()
+            .map(|url| parse(url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let connections = config.connections.max(1);
+        let bounded = tokio::time::timeout(config.connect_timeout, async {
+            match &config.mode {
+                RedisMode::Single => match <[ConnectionInfo; 1]>::try_from(infos) {
+                    Ok([info]) => {
+                        let client = Client::open(info).map_err(unavailable)?;
+                        let managers = managers(&client, connections, config).await?;
+                        Ok(Pool::Single(RoundRobin::new(managers)))
+                    }
+                    Err(infos) => Err(BackendError::Unavailable(format!(
+                        "single Redis mode takes exactly one URL, got {}",
+                        infos.len()
+                    ))),
+                },
+                RedisMode::Sentinel { master } => {
+                    SentinelPool::connect(infos, master, connections, config)
+                        .await
+                        .map(Pool::Sentinel)
+                }
+                RedisMode::Cluster => {
+                    if infos.is_empty() {
+                        return Err(BackendError::Unavailable("no Redis Cluster URL".into()));
+                    }
+                    let client = ClusterClientBuilder::new(infos)
+                        .connection_timeout(config.connect_timeout)
+                        // Redirects are followed at once; waits only matter for TRYAGAIN or
+                        // CLUSTERDOWN, and a rate-limit decision cannot wait long anyway.
+                        .retries(3)
+                        .min_retry_wait(5)
+                        .max_retry_wait(100)
+                        .build()
+                        .map_err(unavailable)?;
+                    let mut all = Vec::with_capacity(connections);
+                    for _ in 0..connections {
+                        all.push(client.get_async_connection().await.map_err(unavailable)?);
+                    }
+                    Ok(Pool::Cluster(RoundRobin::new(all)))
+                }
+            }
+        })
+        .await;
+        bounded.unwrap_or_else(|_| {
+            Err(BackendError::Unavailable(format!(
+                "could not connect to Redis within {:?}",
+                config.connect_timeout
+            )))
+        })
+    }
+
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self, Pool::Cluster(_))
+    }
+
+    /// Send one command on the next connection.
+    pub(super) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Pool::Single(pool) => cmd.query_async(&mut pool.pick()).await,
+            Pool::Sentinel(pool) => cmd.query_async(&mut pool.pick()).await,
+            Pool::Cluster(pool) => cmd.query_async(&mut pool.pick()).await,
+        }
+    }
+
+    /// A command failed: under Sentinel, the master may have moved.
+    pub(super) fn trouble(&self, err: &RedisError) {
+        if let Pool::Sentinel(pool) = self {
+            pool.trouble(err);
+        }
+    }
+
+    /// A command did not answer in time: under Sentinel, the master may be gone.
+    pub(super) fn timed_out(&self) {
+        if let Pool::Sentinel(pool) = self {
+            pool.reresolve();
+        }
+    }
+}
+
+/// `count` managed connections to the server `client` points at. The first connection is
+/// made directly so a refused connection or a bad password is reported as such, not as a
+/// timeout of the manager's retries.
+pub(super) async fn managers(
+    client: &Client,
+    count: usize,
+    config: &RedisConfig,
+) -> Result<Vec<ConnectionManager>, BackendError> {
+    let probe = AsyncConnectionConfig::new().set_connection_timeout(Some(config.connect_timeout));
+    let mut probe = client
+        .get_multiplexed_async_connection_with_config(&probe)
+        .await
+        .map_err(unavailable)?;
+    ::redis::cmd("PING")
+        .query_async::<()>(&mut probe)
+        .await
+        .map_err(unavailable)?;
+    let mut all = Vec::with_capacity(count);
+    for _ in 0..count {
+        let manager = ConnectionManager::new_with_config(client.clone(), manager_config(config))
+            .await
+            .map_err(unavailable)?;
+        all.push(manager);
+    }
+    Ok(all)
+}
+
+/// Connections time out only when being made; a call is bounded by the backend's own timer.
+pub(super) fn manager_config(config: &RedisConfig) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(None)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_secs(1))
+}
+
+/// Parse a configured URL; a bare `host:port` gets `redis://`.
+pub(super) fn parse(url: &str) -> Result<ConnectionInfo, BackendError> {
+    let full = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("redis://{url}")
+    };
+    full.as_str().into_connection_info().map_err(|err| {
+        BackendError::Unavailable(format!("invalid Redis URL {}: {err}", redact(url)))
+    })
+}
+
+/// The URL with its credentials masked, for messages and logs.
+pub(super) fn redact(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..].find('/').map_or(url.len(), |i| start + i);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
+    }
+}
+
+pub(super) fn unavailable(err: RedisError) -> BackendError {
+    BackendError::Unavailable(err.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_redacted_and_bare_addresses_get_a_scheme() {
+        assert_eq!(
+            redact("rediss://user:secret@host:6380/2"),
+            "rediss://***@host:6380/2"
+        );
+        assert_eq!(redact("redis://host:1/0"), "redis://host:1/0");
+        assert_eq!(redact("u:p@host:1"), "***@host:1");
+        let info = parse("10.0.0.1:7000").unwrap();
+        assert_eq!(info.addr().to_string(), "10.0.0.1:7000");
+        assert!(parse("redis://host:notaport").is_err());
+    }
+}

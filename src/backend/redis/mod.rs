@@ -1,0 +1,199 @@
+//! The Redis backend: limit state in Redis (one server, a Sentinel-managed master or a
+//! Cluster), every decision taken by one Lua script on Redis time, so any number of turnstile
+//! instances share exact counts.
+//!
+//! A request is one EVALSHA of the batch script (`lua/batch.lua`) over all of its hits, which
+//! makes it atomic. On a Cluster, hits whose limits live in different slots cannot share a
+//! script call; `cluster` reserves them per slot and refunds the reservation when the request
+//! is refused as a whole.
+
+mod cluster;
+mod connect;
+mod script;
+mod sentinel;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::redis::RedisError;
+
+use super::{Backend, BackendError, Charging, Hit, Outcome};
+use connect::Pool;
+use script::{Call, Mode, Reply};
+
+/// How the configured URLs reach the master(s) that hold the state.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum RedisMode {
+    /// One server; `urls` holds exactly one URL.
+    #[default]
+    Single,
+    /// `urls` are Sentinels that name the current master of `master`; a failover is followed
+    /// by asking them again.
+    Sentinel { master: String },
+    /// `urls` are seed nodes of a Redis Cluster; the topology is discovered from them.
+    Cluster,
+}
+
+/// Where and how to reach Redis.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://` or `rediss://` (TLS) URLs, with optional `user:password@` and `/db`; a bare
+    /// `host:port` means `redis://host:port`. Single: one server. Sentinel: the Sentinels
+    /// (their credentials, database and TLS also apply to the master they name). Cluster: seed
+    /// nodes. Default: `redis://127.0.0.1:6379`.
+    pub urls: Vec<String>,
+    /// Default: [`RedisMode::Single`].
+    pub mode: RedisMode,
+    /// Multiplexed connections used round-robin (per node on a Cluster; at least 1). Default: 2.
+    pub connections: usize,
+    /// Bound on establishing a connection (and on `connect` as a whole). Default: 1 s.
+    pub connect_timeout: Duration,
+    /// Bound on every `evaluate` (and `ready`) call; beyond it the call fails with
+    /// [`BackendError::Timeout`]. Default: 25 ms.
+    pub call_timeout: Duration,
+    /// Prepended to every key, outside the hash tag; must not contain braces. Default: "".
+    pub key_prefix: String,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            urls: vec!["redis://127.0.0.1:6379".into()],
+            mode: RedisMode::Single,
+            connections: 2,
+            connect_timeout: Duration::from_secs(1),
+            call_timeout: Duration::from_millis(25),
+            key_prefix: String::new(),
+        }
+    }
+}
+
+// URLs may carry passwords: print them redacted.
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let urls: Vec<String> = self.urls.iter().map(|u| connect::redact(u)).collect();
+        f.debug_struct("RedisConfig")
+            .field("urls", &urls)
+            .field("mode", &self.mode)
+            .field("connections", &self.connections)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("call_timeout", &self.call_timeout)
+            .field("key_prefix", &self.key_prefix)
+            .finish()
+    }
+}
+
+/// Limit state in Redis. Cheap to clone: clones share the connections.
+#[derive(Clone)]
+pub struct RedisBackend {
+    shared: Arc<Shared>,
+}
+
+/// What the backend and the tasks it spawns (cluster reservations) share.
+struct Shared {
+    pool: Pool,
+    call_timeout: Duration,
+    /// Bound on script calls that must finish even after the caller gave up (refunds).
+    cleanup_timeout: Duration,
+    key_prefix: String,
+}
+
+impl RedisBackend {
+    /// Connect (within `connect_timeout`) and check that Redis answers.
+    pub async fn connect(config: &RedisConfig) -> Result<RedisBackend, BackendError> {
+        if config.key_prefix.contains(['{', '}']) {
+            return Err(BackendError::Unavailable(
+                "the Redis key prefix must not contain braces (they would move the hash tag)"
+                    .into(),
+            ));
+        }
+        let pool = Pool::connect(config).await?;
+        Ok(RedisBackend {
+            shared: Arc::new(Shared {
+                pool,
+                call_timeout: config.call_timeout,
+                cleanup_timeout: config.call_timeout + config.connect_timeout,
+                key_prefix: config.key_prefix.clone(),
+            }),
+        })
+    }
+}
+
+impl Shared {
+    /// The whole limit identity is the hash tag, so every key the script derives from it
+    /// (`<key>:<window>`, `<key>:n`) lands in the same Cluster slot.
+    fn redis_key(&self, key: &str) -> String {
+        format!("{}{{{key}}}", self.key_prefix)
+    }
+
+    /// Run one script call within `bound`.
+    async fn run(&self, call: &Call, bound: Duration) -> Result<Vec<Reply>, BackendError> {
+        match tokio::time::timeout(bound, script::run(&self.pool, call)).await {
+            Ok(Ok(raw)) => script::replies(raw, call.len()),
+            Ok(Err(err)) => {
+                self.pool.trouble(&err);
+                Err(backend_error(&err))
+            }
+            Err(_) => {
+                self.pool.timed_out();
+                Err(BackendError::Timeout)
+            }
+        }
+    }
+}
+
+fn backend_error(err: &RedisError) -> BackendError {
+    match err.code() {
+        Some("OOM") => BackendError::Full(err.to_string()),
+        _ => BackendError::Unavailable(err.to_string()),
+    }
+}
+
+impl Backend for RedisBackend {
+    async fn evaluate(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        if hits.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shared = &self.shared;
+        let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(&h.key)).collect();
+        let nonce = script::nonce();
+        if shared.pool.is_cluster() {
+            let groups = cluster::group_by_slot(&keys);
+            if groups.len() > 1 {
+                let job = cluster::Job::new(shared.clone(), hits, keys, groups, charging, nonce);
+                return job.evaluate().await;
+            }
+        }
+        let mode = match charging {
+            Charging::Atomic => Mode::Atomic,
+            Charging::PerDescriptor => Mode::Each,
+        };
+        let mut call = Call::new(mode, &nonce);
+        for (key, hit) in keys.into_iter().zip(hits) {
+            call.push(key, &hit.limit, hit.hits, script::role_letter(hit.role));
+        }
+        let replies = shared.run(&call, shared.call_timeout).await?;
+        Ok(replies.into_iter().map(|r| r.outcome).collect())
+    }
+
+    async fn ready(&self) -> bool {
+        let shared = &self.shared;
+        let ping = ::redis::cmd("PING");
+        match tokio::time::timeout(shared.call_timeout, shared.pool.query::<String>(&ping)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(err)) => {
+                shared.pool.trouble(&err);
+                false
+            }
+            Err(_) => {
+                shared.pool.timed_out();
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The batch script and its calls: the algorithms' Lua twins plus the batch driver, assembled
+//! once and run by hash (EVALSHA). A server that does not know the hash (after SCRIPT FLUSH, a
+//! restart or a failover) gets the full text once (EVAL, which also caches it), on whatever
+//! connection type, Cluster included, since EVAL is routed by its first key like EVALSHA.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
+
+use super::connect::Pool;
+use crate::algorithm::Algorithm;
+use crate::algorithm::fixed_window::FixedWindow;
+use crate::algorithm::sliding_window::SlidingWindow;
+use crate::algorithm::token_bucket::TokenBucket;
+use crate::backend::{BackendError, Outcome, Role};
+use crate::limit::Limit;
+
+/// The script text and its SHA-1, computed once.
+struct Batch {
+    source: String,
+    sha1: String,
+}
+
+static BATCH: LazyLock<Batch> = LazyLock::new(|| {
+    let source = [
+        "local ALGORITHMS = {}\n",
+        FixedWindow::LUA,
+        SlidingWindow::LUA,
+        TokenBucket::LUA,
+        include_str!("../../../lua/batch.lua"),
+    ]
+    .join("\n");
+    let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
+    Batch { source, sha1 }
+});
+
+/// What a call does with the hits it carries (see `lua/batch.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Charge the admitted hits only if the request passes.
+    Atomic,
+    /// Charge every admitted hit.
+    Each,
+    /// Undo an `Each` call with the same nonce.
+    Refund,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Atomic => "atomic",
+            Mode::Each => "each",
+            Mode::Refund => "refund",
+        }
+    }
+}
+
+pub(super) fn role_letter(role: Role) -> String {
+    match role {
+        Role::Enforce => "e",
+        Role::Shadow => "s",
+        Role::Quota => "q",
+    }
+    .into()
+}
+
+/// A fresh nonce per request: it names the request's sliding-window entries, so a refund
+/// removes exactly them. 10 alphanumerics (~59 bits) keep the log entries short.
+pub(super) fn nonce() -> String {
+    (0..10).map(|_| fastrand::alphanumeric()).collect()
+}
+
+/// The KEYS and ARGV of one script call.
+pub(super) struct Call {
+    keys: Vec<String>,
+    args: Vec<String>,
+}
+
+impl Call {
+    pub(super) fn new(mode: Mode, nonce: &str) -> Call {
+        Call {
+            keys: Vec::new(),
+            args: vec![mode.name().into(), nonce.into()],
+        }
+    }
+
+    /// Add one hit; `last` is the role letter, or in a refund the stamp the charge replied.
+    pub(super) fn push(&mut self, key: String, limit: &Limit, hits: u64, last: String) {
+        self.keys.push(key);
+        self.args.extend([
+            limit.algorithm.name().into(),
+            limit.requests_per_unit.to_string(),
+            limit.unit.seconds().to_string(),
+            limit.burst.to_string(),
+            hits.to_string(),
+            last,
+        ]);
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    fn command(&self, verb: &str, script: &str) -> Cmd {
+        let mut cmd = ::redis::cmd(verb);
+        cmd.arg(script)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
+        cmd
+    }
+}
+
+/// Run a call: by hash, and by text if the server lost the script.
+pub(super) async fn run(pool: &Pool, call: &Call) -> RedisResult<Vec<i64>> {
+    let batch = &*BATCH;
+    match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
+        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            pool.query(&call.command("EVAL", &batch.source)).await
+        }
+        result => result,
+    }
+}
+
+/// One hit's answer: the verdict and where its charge went (for a refund).
+pub(super) struct Reply {
+    pub(super) outcome: Outcome,
+    pub(super) stamp: i64,
+}
+
+/// Decode the 4 integers per hit the script replies.
+pub(super) fn replies(raw: Vec<i64>, hits: usize) -> Result<Vec<Reply>, BackendError> {
+    if raw.len() != hits * 4 {
+        return Err(BackendError::Unavailable(format!(
+            "the Redis script replied {} values for {hits} hits",
+            raw.len()
+        )));
+    }
+    Ok(raw
+        .chunks_exact(4)
+        .map(|r| Reply {
+            outcome: Outcome {
+                admitted: r[0] == 1,
+                remaining: u32::try_from(r[1].max(0)).unwrap_or(u32::MAX),
+                reset_after: Duration::from_micros(r[2].max(0).unsigned_abs()),
+            },
+            stamp: r[3],
+        })
+        .collect())
+}

@@ -1,0 +1,897 @@
+//! The Redis backend against real redis-server processes: the algorithms' answers, the
+//! atomicity of a request (across Cluster slots too), key hygiene, and what must not break a
+//! request (a flushed script cache, a restart, a frozen server, a Sentinel failover).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use redis::cluster_routing::Slot;
+use support::redis::{RedisCluster, RedisServer};
+use tokio::time::sleep;
+use turnstile::backend::memory::MemoryBackend;
+use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
+use turnstile::backend::{Backend, BackendError, Charging, Hit, Outcome, Role};
+use turnstile::limit::{Algorithm, Limit, Unit};
+
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3_600);
+const MINUTE_US: u64 = 60_000_000;
+
+// ---- helpers -------------------------------------------------------------------------------
+
+/// Generous call timeout: a busy machine must not make a test flake.
+fn config(urls: Vec<String>, mode: RedisMode, prefix: &str) -> RedisConfig {
+    RedisConfig {
+        urls,
+        mode,
+        key_prefix: prefix.into(),
+        call_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(2),
+        ..RedisConfig::default()
+    }
+}
+
+async fn single(server: &RedisServer, prefix: &str) -> RedisBackend {
+    RedisBackend::connect(&config(vec![server.url()], RedisMode::Single, prefix))
+        .await
+        .expect("connect to redis")
+}
+
+async fn clustered(cluster: &RedisCluster, prefix: &str) -> RedisBackend {
+    RedisBackend::connect(&config(cluster.urls(), RedisMode::Cluster, prefix))
+        .await
+        .expect("connect to the cluster")
+}
+
+fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
+    Limit {
+        requests_per_unit,
+        unit,
+        algorithm,
+        burst: requests_per_unit,
+    }
+}
+
+fn hit(key: &str, limit: Limit, hits: u64) -> Hit {
+    Hit {
+        key: key.into(),
+        limit,
+        hits,
+        role: Role::Enforce,
+    }
+}
+
+fn role(hit: Hit, role: Role) -> Hit {
+    Hit { role, ..hit }
+}
+
+async fn eval(backend: &impl Backend, hits: &[Hit], charging: Charging) -> Vec<Outcome> {
+    backend.evaluate(hits, charging).await.expect("evaluate")
+}
+
+async fn one(backend: &impl Backend, hit: &Hit) -> Outcome {
+    eval(backend, std::slice::from_ref(hit), Charging::Atomic).await[0]
+}
+
+fn us(d: Duration) -> u64 {
+    d.as_micros() as u64
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// Wait out the end of the current `window` if it is less than `margin` away, so a sequence
+/// that must stay in one window does.
+async fn away_from_boundary(window: Duration, margin: Duration) {
+    let left = us(window) - now_us() % us(window);
+    if left < us(margin) {
+        sleep(Duration::from_micros(left) + Duration::from_millis(10)).await;
+    }
+}
+
+/// Every key under `pattern` with its content, to prove a step wrote nothing.
+fn snapshot(server: &RedisServer, pattern: &str) -> BTreeMap<String, String> {
+    server
+        .keys(pattern)
+        .into_iter()
+        .map(|key| {
+            let kind: String = server.query(&["TYPE", &key]);
+            let value = match kind.as_str() {
+                "string" => server.query::<String>(&["GET", &key]),
+                "zset" => server
+                    .query::<Vec<String>>(&["ZRANGE", &key, "0", "-1", "WITHSCORES"])
+                    .join(","),
+                other => panic!("unexpected {other} key {key}"),
+            };
+            (key, value)
+        })
+        .collect()
+}
+
+/// Names `<base>-<n>` whose Redis keys (under `prefix`) fall in pairwise different slots.
+fn distinct_slots(prefix: &str, base: &str, count: usize) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    let mut slots = Vec::new();
+    for n in 0.. {
+        let name = format!("{base}-{n}");
+        let slot = Slot::for_key(format!("{prefix}{{{name}}}"));
+        if !slots.contains(&slot) {
+            slots.push(slot);
+            names.push(name);
+            if names.len() == count {
+                break;
+            }
+        }
+    }
+    names
+}
+
+fn slot_number(cluster_node: &RedisServer, key: &str) -> u16 {
+    cluster_node.query(&["CLUSTER", "KEYSLOT", key])
+}
+
+fn cached_scripts(server: &RedisServer) -> u64 {
+    let info: String = server.query(&["INFO", "memory"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
+        .expect("number_of_cached_scripts in INFO memory")
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
+// ---- the algorithms' answers ---------------------------------------------------------------
+
+/// Multi-descriptor requests with every role and both chargings: the backends must agree on
+/// every verdict and count, and on the reset within clock skew.
+async fn fixed_window_script(backend: &impl Backend) -> Vec<Outcome> {
+    let fixed = |n| limit(Algorithm::FixedWindow, n, Unit::Hour);
+    let (a, b, c, d) = (fixed(5), fixed(2), fixed(3), fixed(3));
+    let shadow = role(hit("s", fixed(0), 1), Role::Shadow);
+    let q1 = role(hit("q1", fixed(1), 1), Role::Quota);
+    let q2 = role(hit("q2", fixed(1), 1), Role::Quota);
+    let requests: Vec<(Vec<Hit>, Charging)> = vec![
+        (vec![hit("a", a, 1)], Charging::Atomic),
+        (vec![hit("a", a, 1), hit("b", b, 1)], Charging::Atomic),
+        (vec![hit("a", a, 2), hit("b", b, 1)], Charging::Atomic),
+        (vec![hit("a", a, 0)], Charging::Atomic),
+        (vec![hit("a", a, 1), hit("b", b, 1)], Charging::Atomic),
+        (vec![hit("a", a, 1)], Charging::Atomic),
+        (vec![hit("a", a, 1)], Charging::Atomic),
+        (vec![hit("c", c, 1), shadow], Charging::Atomic),
+        (
+            vec![hit("c", c, 1), q1.clone(), q2.clone()],
+            Charging::Atomic,
+        ),
+        (vec![hit("c", c, 1), q1, q2], Charging::Atomic),
+        (vec![hit("c", c, 1)], Charging::Atomic),
+        (
+            vec![hit("d", d, 1), hit("b", b, 1)],
+            Charging::PerDescriptor,
+        ),
+        (vec![hit("d", d, 0)], Charging::Atomic),
+        (vec![hit("d", d, 6)], Charging::Atomic),
+    ];
+    let mut all = Vec::new();
+    for (hits, charging) in requests {
+        all.extend(eval(backend, &hits, charging).await);
+    }
+    all
+}
+
+#[tokio::test]
+async fn cluster_single_and_memory_give_the_same_fixed_window_answers() {
+    away_from_boundary(HOUR, 5 * SEC).await;
+    let cluster = RedisCluster::shared();
+    let server = RedisServer::start();
+    let memory = fixed_window_script(&MemoryBackend::new(1000)).await;
+    let single = fixed_window_script(&single(&server, "eq:").await).await;
+    let clustered = fixed_window_script(&clustered(&cluster, "eq:").await).await;
+
+    let verdicts = |o: &[Outcome]| {
+        o.iter()
+            .map(|o| (o.admitted, o.remaining))
+            .collect::<Vec<_>>()
+    };
+    #[rustfmt::skip]
+    let expected = vec![
+        (true, 4),
+        (true, 3), (true, 1),
+        (true, 1), (true, 0),
+        (true, 1),
+        (true, 0), (false, 0), // refused: "a" not charged
+        (true, 0),
+        (false, 0),
+        (true, 2), (false, 0), // shadow refusals refuse nothing
+        (true, 1), (true, 0), (true, 0),
+        (true, 0), (false, 0), (false, 0), // every quota refused: nothing charged
+        (true, 0),
+        (true, 2), (false, 0), // per descriptor: "d" charged anyway
+        (true, 2),
+        (false, 0),
+    ];
+    assert_eq!(verdicts(&memory), expected);
+    assert_eq!(verdicts(&single), expected, "single Redis");
+    assert_eq!(verdicts(&clustered), expected, "Redis Cluster");
+
+    let hour_left = Duration::from_micros(us(HOUR) - now_us() % us(HOUR));
+    for (name, outcomes) in [("single", &single), ("cluster", &clustered)] {
+        for (o, m) in outcomes.iter().zip(&memory) {
+            assert!(
+                o.reset_after.abs_diff(m.reset_after) < SEC,
+                "{name}: {o:?} vs {m:?}"
+            );
+            assert!(o.reset_after.abs_diff(hour_left) < 2 * SEC, "{name}: {o:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn sliding_window_remaining_and_reset_are_exact() {
+    let server = RedisServer::start();
+    let b = single(&server, "sw:").await;
+    let k = |hits| hit("k", limit(Algorithm::SlidingWindow, 3, Unit::Minute), hits);
+
+    let read = one(&b, &k(0)).await;
+    assert_eq!(
+        (read.admitted, read.remaining, us(read.reset_after)),
+        (true, 3, 0)
+    );
+    assert!(server.keys("sw:*").is_empty(), "a read creates nothing");
+
+    let before_first = Instant::now();
+    let first = one(&b, &k(1)).await;
+    assert_eq!(
+        (first.admitted, first.remaining, us(first.reset_after)),
+        (true, 2, MINUTE_US)
+    );
+    // 100 ms apart, so the retry times of the two entries can be told apart.
+    sleep(Duration::from_millis(100)).await;
+    let second = one(&b, &k(2)).await;
+    assert_eq!(
+        (second.admitted, second.remaining, us(second.reset_after)),
+        (true, 0, MINUTE_US)
+    );
+
+    // Refused: back when the first entry (cost 1) leaves the window...
+    let refused = one(&b, &k(1)).await;
+    let elapsed = us(before_first.elapsed());
+    assert_eq!((refused.admitted, refused.remaining), (false, 0));
+    let reset = us(refused.reset_after);
+    assert!(reset < MINUTE_US && reset > MINUTE_US - elapsed, "{reset}");
+    // ...or when the second one (100 ms younger) does too, for a hit of cost 2.
+    let refused_two = one(&b, &k(2)).await;
+    assert!(!refused_two.admitted);
+    assert!(refused_two.reset_after > refused.reset_after + Duration::from_millis(50));
+    assert!(us(refused_two.reset_after) < MINUTE_US);
+    // A cost above the limit can never pass: a whole window.
+    let never = one(&b, &k(4)).await;
+    assert_eq!((never.admitted, us(never.reset_after)), (false, MINUTE_US));
+    // At the limit, a read passes and reports when the newest entry leaves.
+    let at_limit = one(&b, &k(0)).await;
+    assert_eq!((at_limit.admitted, at_limit.remaining), (true, 0));
+    let newest = us(at_limit.reset_after);
+    assert!(newest < MINUTE_US && newest > MINUTE_US - us(before_first.elapsed()));
+
+    assert_eq!(
+        server.query::<u64>(&["ZCARD", "sw:{k}"]),
+        2,
+        "refused hits are not logged"
+    );
+    assert_eq!(server.query::<u64>(&["GET", "sw:{k}:n"]), 3);
+}
+
+#[tokio::test]
+async fn token_bucket_remaining_and_reset_are_exact() {
+    let server = RedisServer::start();
+    let b = single(&server, "tb:").await;
+    // 60 per minute: one token per second, burst 3.
+    let bucket = Limit {
+        burst: 3,
+        ..limit(Algorithm::TokenBucket, 60, Unit::Minute)
+    };
+    let k = |hits| hit("k", bucket, hits);
+
+    let read = one(&b, &k(0)).await;
+    assert_eq!(
+        (read.admitted, read.remaining, us(read.reset_after)),
+        (true, 3, 0)
+    );
+    assert!(server.keys("tb:*").is_empty(), "a read creates nothing");
+
+    let before_first = Instant::now();
+    let first = one(&b, &k(1)).await;
+    assert_eq!(
+        (first.admitted, first.remaining, us(first.reset_after)),
+        (true, 2, 1_000_000)
+    );
+    let second = one(&b, &k(2)).await;
+    let elapsed = us(before_first.elapsed());
+    assert_eq!((second.admitted, second.remaining), (true, 0));
+    let full_in = us(second.reset_after);
+    assert!(
+        full_in <= 3_000_000 && full_in > 3_000_000 - elapsed,
+        "{full_in}"
+    );
+
+    let refused = one(&b, &k(1)).await;
+    let elapsed = us(before_first.elapsed());
+    assert_eq!((refused.admitted, refused.remaining), (false, 0));
+    let retry = us(refused.reset_after);
+    assert!(retry < 1_000_000 && retry > 1_000_000 - elapsed, "{retry}");
+
+    let never = one(&b, &k(4)).await;
+    assert_eq!(
+        (never.admitted, us(never.reset_after)),
+        (false, MINUTE_US),
+        "cost above the burst"
+    );
+    let empty = one(&b, &k(0)).await;
+    assert_eq!((empty.admitted, empty.remaining), (true, 0));
+    assert!(empty.reset_after <= second.reset_after);
+    // The TAT is all the state, and it expires when the bucket is full again.
+    let ttl: i64 = server.query(&["PTTL", "tb:{k}"]);
+    assert!(ttl > 1_000 && ttl <= 3_002, "{ttl}");
+}
+
+#[tokio::test]
+async fn fixed_window_admits_twice_the_limit_across_a_boundary() {
+    let server = RedisServer::start();
+    let b = single(&server, "fb:").await;
+    let k = hit("k", limit(Algorithm::FixedWindow, 3, Unit::Second), 1);
+    // Hammer from 300 ms before a second boundary to 300 ms after it; retry if the machine
+    // stalled so much that the run did not straddle a boundary.
+    for _attempt in 0..3 {
+        let into = now_us() % 1_000_000;
+        sleep(Duration::from_micros((1_700_000 - into) % 1_000_000)).await;
+        let (started, start) = (now_us(), Instant::now());
+        let mut admitted = Vec::new();
+        while start.elapsed() < Duration::from_millis(600) {
+            let sent = Instant::now();
+            if one(&b, &k).await.admitted {
+                admitted.push((sent, Instant::now()));
+            }
+            sleep(Duration::from_millis(5)).await;
+        }
+        if started / 1_000_000 == now_us() / 1_000_000 {
+            continue;
+        }
+        assert_eq!(admitted.len(), 6, "3 before the boundary and 3 after");
+        let span = admitted[5].1 - admitted[0].0;
+        assert!(span < SEC, "6 admissions within {span:?}");
+        return;
+    }
+    panic!("never straddled a window boundary");
+}
+
+#[tokio::test]
+async fn sliding_window_never_admits_more_than_the_limit_in_any_window() {
+    let server = RedisServer::start();
+    let b = single(&server, "sl:").await;
+    let k = hit("k", limit(Algorithm::SlidingWindow, 5, Unit::Second), 1);
+    let start = Instant::now();
+    let mut admitted = Vec::new();
+    while start.elapsed() < Duration::from_millis(2_200) {
+        let sent = Instant::now();
+        if one(&b, &k).await.admitted {
+            admitted.push((sent, Instant::now()));
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+    // Redis admitted hit i somewhere between its send and its reply, so the 6th admission
+    // after it came at most `reply(i+5) - sent(i)` later: that must still be a full second.
+    for pair in admitted.windows(6) {
+        let (first_sent, last_reply) = (pair[0].0, pair[5].1);
+        assert!(
+            last_reply - first_sent >= SEC,
+            "6 admissions within {:?}",
+            last_reply - first_sent
+        );
+    }
+    assert!(
+        (10..=15).contains(&admitted.len()),
+        "{} admissions in 2.2 s",
+        admitted.len()
+    );
+}
+
+#[tokio::test]
+async fn token_bucket_admits_the_burst_then_the_steady_rate() {
+    let server = RedisServer::start();
+    let b = single(&server, "ts:").await;
+    // 10 per second (one per 100 ms), burst 5.
+    let bucket = Limit {
+        burst: 5,
+        ..limit(Algorithm::TokenBucket, 10, Unit::Second)
+    };
+    let k = hit("k", bucket, 1);
+    let mut admitted = Vec::new();
+    let start = Instant::now();
+    for _ in 0..5 {
+        let sent = Instant::now();
+        assert!(one(&b, &k).await.admitted, "the burst passes back to back");
+        admitted.push((sent, Instant::now()));
+    }
+    let sixth = one(&b, &k).await;
+    if start.elapsed() < Duration::from_millis(100) {
+        assert!(
+            !sixth.admitted,
+            "the bucket is empty before a token came back"
+        );
+        assert!(sixth.reset_after <= Duration::from_millis(100));
+    }
+    while start.elapsed() < Duration::from_millis(1_500) {
+        let sent = Instant::now();
+        if one(&b, &k).await.admitted {
+            admitted.push((sent, Instant::now()));
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
+    // A token bucket admits at most burst + span / interval in any span; Redis admitted hit i
+    // between its send and its reply, so the span from i to j is at most reply(j) - sent(i).
+    for i in 0..admitted.len() {
+        for j in i + 1..admitted.len() {
+            let span = admitted[j].1 - admitted[i].0;
+            let allowed = 5.0 + span.as_secs_f64() / 0.1;
+            assert!(
+                (j - i + 1) as f64 <= allowed,
+                "{} admissions within {span:?}",
+                j - i + 1
+            );
+        }
+    }
+    let steady = admitted.len() - 5;
+    assert!((12..=16).contains(&steady), "{steady} at the steady rate");
+}
+
+#[tokio::test]
+async fn costs_above_one_count_and_zero_costs_only_read() {
+    let server = RedisServer::start();
+    let b = single(&server, "hz:").await;
+    for algorithm in Algorithm::ALL {
+        let pattern = format!("hz:{{{algorithm}}}*");
+        let k = |hits| hit(algorithm.name(), limit(algorithm, 5, Unit::Minute), hits);
+        let read = one(&b, &k(0)).await;
+        assert_eq!((read.admitted, read.remaining), (true, 5), "{algorithm}");
+        assert!(
+            server.keys(&pattern).is_empty(),
+            "{algorithm}: a read creates nothing"
+        );
+
+        assert_eq!(one(&b, &k(3)).await.remaining, 2, "{algorithm}");
+        let charged = snapshot(&server, &pattern);
+        assert!(!charged.is_empty(), "{algorithm}");
+        assert_eq!(one(&b, &k(0)).await.remaining, 2, "{algorithm}");
+        assert!(!one(&b, &k(3)).await.admitted, "{algorithm}");
+        assert_eq!(
+            snapshot(&server, &pattern),
+            charged,
+            "{algorithm}: reads and refusals write nothing"
+        );
+        let last = one(&b, &k(2)).await;
+        assert_eq!((last.admitted, last.remaining), (true, 0), "{algorithm}");
+    }
+}
+
+// ---- atomicity of a request ----------------------------------------------------------------
+
+/// A wide and a narrow limit of each algorithm in one request: a refusal by the narrow one
+/// charges the wide one only under per-descriptor charging.
+async fn refusal_charges_per_charging_mode(
+    b: &RedisBackend,
+    names: impl Fn(Algorithm) -> Vec<String>,
+) {
+    for algorithm in Algorithm::ALL {
+        let names = names(algorithm);
+        let wide = hit(&names[0], limit(algorithm, 10, Unit::Minute), 1);
+        let narrow = hit(&names[1], limit(algorithm, 1, Unit::Minute), 1);
+        let both = [wide.clone(), narrow];
+        let first = eval(b, &both, Charging::Atomic).await;
+        assert_eq!(
+            (first[0].admitted, first[0].remaining, first[1].admitted),
+            (true, 9, true)
+        );
+        let refused = eval(b, &both, Charging::Atomic).await;
+        assert_eq!(
+            (refused[0].admitted, refused[1].admitted),
+            (true, false),
+            "{algorithm}"
+        );
+        let wide_read = hit(&wide.key, wide.limit, 0);
+        assert_eq!(
+            one(b, &wide_read).await.remaining,
+            9,
+            "{algorithm}: atomic charges nothing"
+        );
+        eval(b, &both, Charging::PerDescriptor).await;
+        assert_eq!(
+            one(b, &wide_read).await.remaining,
+            8,
+            "{algorithm}: per descriptor charges"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_refused_request_charges_according_to_the_charging_mode() {
+    let server = RedisServer::start();
+    let b = single(&server, "at:").await;
+    refusal_charges_per_charging_mode(&b, |a| vec![format!("wide-{a}"), format!("narrow-{a}")])
+        .await;
+}
+
+#[tokio::test]
+async fn cluster_refused_request_across_slots_charges_according_to_the_charging_mode() {
+    let cluster = RedisCluster::shared();
+    let b = clustered(&cluster, "xat:").await;
+    // Every wide/narrow pair in different slots, so each goes through reservation and refund.
+    refusal_charges_per_charging_mode(&b, |a| distinct_slots("xat:", a.name(), 2)).await;
+}
+
+#[tokio::test]
+async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
+    let cluster = RedisCluster::shared();
+    let b = clustered(&cluster, "xr:").await;
+    let key = |name: &str| format!("xr:{{{name}}}");
+    // a, z and c share a slot, so they share a call (as its hits 1, 2, 3), and z costs
+    // nothing: its refund must still hold c's place, which names c's log entry. b and d live
+    // elsewhere, and b refuses the second request.
+    let a_slot = Slot::for_key(key("a"));
+    let mut same_slot = (0..)
+        .map(|n| format!("s{n}"))
+        .filter(|name| Slot::for_key(key(name)) == a_slot);
+    let (z, c) = (same_slot.next().unwrap(), same_slot.next().unwrap());
+    let [b_name, d_name] = <[String; 2]>::try_from(
+        distinct_slots("xr:", "o", 3)
+            .into_iter()
+            .filter(|n| Slot::for_key(key(n)) != a_slot)
+            .take(2)
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let sliding = limit(Algorithm::SlidingWindow, 10, Unit::Minute);
+    let request = [
+        hit("a", sliding, 1),
+        hit(&b_name, limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
+        hit(&z, sliding, 0),
+        hit(&c, sliding, 1),
+        hit(&d_name, limit(Algorithm::TokenBucket, 10, Unit::Minute), 1),
+    ];
+    let admitted = |o: &[Outcome]| o.iter().map(|o| o.admitted).collect::<Vec<_>>();
+    let remaining = async |b: &RedisBackend| {
+        let mut all = Vec::new();
+        for h in [&request[0], &request[3], &request[4]] {
+            all.push(one(b, &hit(&h.key, h.limit, 0)).await.remaining);
+        }
+        all
+    };
+    let a_node = cluster.owner(slot_number(&cluster.nodes[0], &key("a")));
+    let logged = |name: &str| a_node.query::<u64>(&["ZCARD", &key(name)]);
+
+    assert_eq!(
+        admitted(&eval(&b, &request, Charging::Atomic).await),
+        [true; 5]
+    );
+    assert_eq!(remaining(&b).await, [9, 9, 9]);
+    let refused = eval(&b, &request, Charging::Atomic).await;
+    assert_eq!(admitted(&refused), [true, false, true, true, true]);
+    assert_eq!(refused[0].remaining, 8, "verdicts are as if charged");
+    assert_eq!(
+        remaining(&b).await,
+        [9, 9, 9],
+        "the reservation was refunded"
+    );
+    assert_eq!(
+        (logged("a"), logged(&c)),
+        (1, 1),
+        "each refund removed its own entry"
+    );
+
+    eval(&b, &request, Charging::PerDescriptor).await;
+    assert_eq!(remaining(&b).await, [8, 8, 8]);
+    assert_eq!((logged("a"), logged(&c)), (2, 2));
+}
+
+// ---- keys ----------------------------------------------------------------------------------
+
+/// Requests on 3 limits of each algorithm, all in one fixed window.
+async fn mixed_run(b: &RedisBackend) {
+    away_from_boundary(HOUR, 5 * SEC).await;
+    for n in 0..5 {
+        for algorithm in Algorithm::ALL {
+            let hits: Vec<Hit> = (0..3)
+                .map(|i| {
+                    hit(
+                        &format!("k{i}|{algorithm}"),
+                        limit(algorithm, 3, Unit::Hour),
+                        n % 2 + 1,
+                    )
+                })
+                .collect();
+            b.evaluate(&hits, Charging::Atomic).await.expect("evaluate");
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_key_expires() {
+    let server = RedisServer::start();
+    mixed_run(&single(&server, "ttl:").await).await;
+    let keys = server.keys("ttl:*");
+    // 3 limits of each algorithm: fixed has one counter, sliding a log and a sum, bucket one.
+    assert_eq!(keys.len(), 3 * 4, "{keys:?}");
+    for key in keys {
+        let ttl: i64 = server.query(&["PTTL", &key]);
+        assert!(ttl > 0 && ttl <= 3_600_001, "{key}: PTTL {ttl}");
+    }
+}
+
+#[tokio::test]
+async fn cluster_keys_expire_and_share_their_limits_slot() {
+    let cluster = RedisCluster::shared();
+    mixed_run(&clustered(&cluster, "cttl:").await).await;
+    let keys = cluster.keys("cttl:*");
+    assert_eq!(keys.len(), 3 * 4);
+    let nodes_used: std::collections::HashSet<u16> = keys.iter().map(|(_, n)| n.port()).collect();
+    assert!(nodes_used.len() > 1, "the limits spread over the Cluster");
+    let mut slots_by_limit: BTreeMap<String, Vec<u16>> = BTreeMap::new();
+    for (key, node) in &keys {
+        let ttl: i64 = node.query(&["PTTL", key]);
+        assert!(ttl > 0, "{key}: PTTL {ttl}");
+        let tag = key[key.find('{').unwrap()..=key.find('}').unwrap()].to_string();
+        slots_by_limit
+            .entry(tag)
+            .or_default()
+            .push(slot_number(node, key));
+    }
+    assert_eq!(slots_by_limit.len(), 9);
+    for (tag, slots) in slots_by_limit {
+        assert!(
+            slots.windows(2).all(|w| w[0] == w[1]),
+            "{tag}: slots {slots:?}"
+        );
+    }
+}
+
+// ---- resilience ----------------------------------------------------------------------------
+
+/// Requests while the script cache is flushed every 10 of them: none may fail.
+async fn survive_script_flushes(b: &RedisBackend, servers: &[&RedisServer], key: &str) {
+    let k = hit(key, limit(Algorithm::SlidingWindow, 1000, Unit::Minute), 1);
+    let other = hit(
+        &format!("{key}-2"),
+        limit(Algorithm::FixedWindow, 1000, Unit::Minute),
+        1,
+    );
+    for n in 0..60 {
+        if n % 10 == 0 {
+            for server in servers {
+                let _: () = server.query(&["SCRIPT", "FLUSH"]);
+                assert_eq!(cached_scripts(server), 0);
+            }
+        }
+        let outcomes = b
+            .evaluate(&[k.clone(), other.clone()], Charging::Atomic)
+            .await
+            .unwrap_or_else(|e| panic!("request {n} failed after SCRIPT FLUSH: {e}"));
+        assert_eq!(outcomes[0].remaining, 999 - n, "request {n}");
+    }
+    assert!(
+        servers.iter().any(|s| cached_scripts(s) > 0),
+        "the script was reloaded"
+    );
+}
+
+#[tokio::test]
+async fn a_flushed_script_cache_fails_no_request() {
+    let server = RedisServer::start();
+    let b = single(&server, "fl:").await;
+    survive_script_flushes(&b, &[&server], "k").await;
+}
+
+#[tokio::test]
+async fn cluster_flushed_script_cache_fails_no_request() {
+    // A Cluster of its own: on the shared one, other tests would reload the script between a
+    // flush and the request that must find it gone.
+    let cluster = RedisCluster::start(3);
+    let b = clustered(&cluster, "cfl:").await;
+    let nodes: Vec<&RedisServer> = cluster.nodes.iter().collect();
+    survive_script_flushes(&b, &nodes, "k").await;
+}
+
+#[tokio::test]
+async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
+    let server = RedisServer::start();
+    let b = RedisBackend::connect(&RedisConfig {
+        call_timeout: Duration::from_millis(200),
+        ..config(vec![server.url()], RedisMode::Single, "fz:")
+    })
+    .await
+    .unwrap();
+    let k = hit("k", limit(Algorithm::FixedWindow, 10, Unit::Minute), 1);
+    assert!(b.ready().await);
+    assert!(one(&b, &k).await.admitted);
+
+    server.freeze();
+    let start = Instant::now();
+    let frozen = b.evaluate(std::slice::from_ref(&k), Charging::Atomic).await;
+    let waited = start.elapsed();
+    let ready = b.ready().await;
+    server.thaw();
+    assert_eq!(frozen, Err(BackendError::Timeout));
+    assert!(
+        waited >= Duration::from_millis(200) && waited < SEC,
+        "{waited:?}"
+    );
+    assert!(!ready, "a frozen server is not ready");
+
+    assert!(b.ready().await);
+    assert!(one(&b, &k).await.admitted);
+}
+
+#[tokio::test]
+async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
+    let mut server = RedisServer::start();
+    let b = single(&server, "rs:").await;
+    let k = hit("k", limit(Algorithm::TokenBucket, 10, Unit::Minute), 1);
+    assert_eq!(one(&b, &k).await.remaining, 9);
+    assert_eq!(one(&b, &k).await.remaining, 8);
+
+    server.stop();
+    assert!(
+        b.evaluate(std::slice::from_ref(&k), Charging::Atomic)
+            .await
+            .is_err()
+    );
+    assert!(!b.ready().await);
+    server.restart();
+    let deadline = Instant::now() + 10 * SEC;
+    let outcome = loop {
+        match b.evaluate(std::slice::from_ref(&k), Charging::Atomic).await {
+            Ok(outcomes) => break outcomes[0],
+            Err(e) => assert!(Instant::now() < deadline, "not back after a restart: {e}"),
+        }
+        sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(outcome.remaining, 9, "a fresh server (nothing persisted)");
+    assert!(cached_scripts(&server) > 0);
+}
+
+#[tokio::test]
+async fn connect_reports_bad_configurations() {
+    let server = RedisServer::start();
+    // A bare host:port is a redis:// URL.
+    let bare = RedisBackend::connect(&config(vec![server.addr()], RedisMode::Single, "")).await;
+    assert!(bare.expect("bare host:port").ready().await);
+
+    let unreachable = {
+        let gone = RedisServer::start();
+        gone.url()
+    };
+    let start = Instant::now();
+    let refused = RedisBackend::connect(&config(vec![unreachable], RedisMode::Single, "")).await;
+    assert!(matches!(refused, Err(BackendError::Unavailable(_))));
+    assert!(start.elapsed() < 3 * SEC);
+
+    let braces =
+        RedisBackend::connect(&config(vec![server.url()], RedisMode::Single, "a{b}:")).await;
+    assert!(matches!(braces, Err(BackendError::Unavailable(m)) if m.contains("brace")));
+    let two = RedisBackend::connect(&config(
+        vec![server.url(), server.url()],
+        RedisMode::Single,
+        "",
+    ))
+    .await;
+    assert!(two.is_err(), "single mode takes one URL");
+    let secured = RedisServer::start_with("requirepass sesame\n");
+    let wrong_password = format!("redis://:nope@{}", secured.addr());
+    let denied = RedisBackend::connect(&config(vec![wrong_password], RedisMode::Single, "")).await;
+    assert!(matches!(denied, Err(BackendError::Unavailable(_))));
+    let allowed = RedisBackend::connect(&config(
+        vec![format!("redis://:sesame@{}/3", secured.addr())],
+        RedisMode::Single,
+        "",
+    ))
+    .await
+    .expect("password and database from the URL");
+    one(
+        &allowed,
+        &hit("k", limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
+    )
+    .await;
+    let in_db3: u64 = {
+        let mut c = redis::Client::open(format!("redis://:sesame@{}/3", secured.addr()))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        redis::cmd("DBSIZE").query(&mut c).unwrap()
+    };
+    assert_eq!(in_db3, 1);
+}
+
+/// Keys and values in database `db` of `server`.
+fn db_state(server: &RedisServer, db: u8) -> Vec<(String, u64)> {
+    let url = format!("{}/{db}", server.url());
+    let mut c = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut c).unwrap();
+    keys.into_iter()
+        .map(|k| {
+            let v = redis::cmd("GET").arg(&k).query(&mut c).unwrap();
+            (k, v)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
+    let master = RedisServer::start();
+    let replica = RedisServer::start_replica(&master);
+    // A Sentinel started after the replica is in sync sees it at once (else at its next poll).
+    replica.wait_until(10 * SEC, "replica in sync", |r| {
+        r.query::<String>(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    });
+    let sentinel = RedisServer::start_sentinel(&master, "turnstile");
+    let b = RedisBackend::connect(&RedisConfig {
+        call_timeout: Duration::from_millis(500),
+        ..config(
+            // The database applies to the master, not to the Sentinel.
+            vec![format!("{}/2", sentinel.url())],
+            RedisMode::Sentinel {
+                master: "turnstile".into(),
+            },
+            "sn:",
+        )
+    })
+    .await
+    .expect("connect through the sentinel");
+    let k = hit("k", limit(Algorithm::FixedWindow, 100, Unit::Hour), 1);
+    assert_eq!(one(&b, &k).await.remaining, 99);
+    let state = db_state(&master, 2);
+    assert_eq!(state.len(), 1, "state lives on the master, in database 2");
+    assert_eq!(state[0].1, 1);
+    let counter = state[0].0.clone();
+    let count_on_replica = || {
+        db_state(&replica, 2)
+            .into_iter()
+            .find(|(k, _)| *k == counter)
+            .map(|(_, v)| v)
+    };
+
+    // The sentinel refuses to fail over until it has talked to the replica.
+    sentinel.wait_until(10 * SEC, "sentinel accepts a failover", |s| {
+        s.try_query::<()>(&["SENTINEL", "FAILOVER", "turnstile"])
+            .is_ok()
+    });
+
+    // The old master keeps accepting writes until the Sentinel demotes it, seconds later:
+    // the backend must move on before that, when the Sentinel names the new master.
+    let deadline = Instant::now() + 6 * SEC;
+    loop {
+        let role: Vec<redis::Value> = replica.query(&["ROLE"]);
+        let promoted = role.first() == Some(&redis::Value::BulkString(b"master".to_vec()));
+        if promoted
+            && let Ok(outcomes) = b.evaluate(std::slice::from_ref(&k), Charging::Atomic).await
+            && count_on_replica() == Some(100 - u64::from(outcomes[0].remaining))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the backend did not follow the failover"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    // From now on every request goes to the new master.
+    for _ in 0..5 {
+        let before = count_on_replica().unwrap();
+        one(&b, &k).await;
+        assert_eq!(count_on_replica(), Some(before + 1));
+    }
+}

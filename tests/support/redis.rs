@@ -1,0 +1,389 @@
+//! Real `redis-server` processes for tests: a standalone server (optionally a replica), a
+//! Sentinel, and a Cluster of masters. Each listens on a free 127.0.0.1 port with its files in
+//! a temporary directory, never persists anything, and is killed by PID when dropped. Every
+//! wait is bounded, and a server that does not come up fails the test with its log.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use redis::FromRedisValue;
+
+/// How long a server may take to answer PING after being started.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a Cluster may take to be created and agree on its slots.
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+const POLL: Duration = Duration::from_millis(10);
+
+/// What kind of process to start.
+#[derive(Clone)]
+enum Kind {
+    Standalone,
+    ClusterNode,
+    Sentinel { master_port: u16, name: String },
+}
+
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    kind: Kind,
+    /// Extra `redis.conf` lines.
+    extra: String,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// A standalone server.
+    pub fn start() -> RedisServer {
+        RedisServer::launch(Kind::Standalone, "")
+    }
+
+    /// A standalone server with extra `redis.conf` lines.
+    pub fn start_with(config: &str) -> RedisServer {
+        RedisServer::launch(Kind::Standalone, config)
+    }
+
+    /// A replica of `master`.
+    pub fn start_replica(master: &RedisServer) -> RedisServer {
+        RedisServer::launch(
+            Kind::Standalone,
+            &format!("replicaof 127.0.0.1 {}\n", master.port),
+        )
+    }
+
+    /// A Sentinel monitoring `master` under `name`, with a quorum of one and short timeouts,
+    /// so it can fail over alone and quickly.
+    pub fn start_sentinel(master: &RedisServer, name: &str) -> RedisServer {
+        RedisServer::launch(
+            Kind::Sentinel {
+                master_port: master.port,
+                name: name.into(),
+            },
+            "",
+        )
+    }
+
+    fn launch(kind: Kind, extra: &str) -> RedisServer {
+        let mut last_log = String::new();
+        // A free port can be taken by someone else before the server binds it: try again.
+        for _ in 0..5 {
+            let bus = matches!(kind, Kind::ClusterNode);
+            let mut server = RedisServer {
+                child: None,
+                port: free_port(bus),
+                kind: kind.clone(),
+                extra: extra.into(),
+                dir: tempfile::tempdir().expect("temporary directory"),
+            };
+            if server.spawn() {
+                return server;
+            }
+            last_log = server.log();
+        }
+        panic!("redis-server did not start; its last log:\n{last_log}");
+    }
+
+    /// Start the process and wait until it answers; false if it died or stayed silent.
+    fn spawn(&mut self) -> bool {
+        let dir = self.dir.path();
+        let mut config = format!(
+            "port {}\nbind 127.0.0.1\nsave \"\"\nappendonly no\ndir {}\nlogfile {}\n",
+            self.port,
+            dir.display(),
+            dir.join("redis.log").display()
+        );
+        match &self.kind {
+            Kind::Standalone => {}
+            Kind::ClusterNode => config.push_str(&format!(
+                "cluster-enabled yes\ncluster-config-file {}\ncluster-node-timeout 5000\n",
+                dir.join("nodes.conf").display()
+            )),
+            Kind::Sentinel { master_port, name } => config.push_str(&format!(
+                "sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
+                 sentinel down-after-milliseconds {name} 1000\n\
+                 sentinel failover-timeout {name} 5000\n"
+            )),
+        }
+        config.push_str(&self.extra);
+        let path = dir.join("redis.conf");
+        fs::write(&path, config).expect("write redis.conf");
+        let mut command = Command::new("redis-server");
+        command.arg(&path);
+        if matches!(self.kind, Kind::Sentinel { .. }) {
+            command.arg("--sentinel");
+        }
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed");
+        self.child = Some(child);
+        let deadline = Instant::now() + START_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Some(child) = &mut self.child
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
+            if self.answers() {
+                return true;
+            }
+            sleep(POLL);
+        }
+        self.stop();
+        false
+    }
+
+    /// Whether the server answers PING; a refusal (NOAUTH, LOADING) is an answer too.
+    pub fn answers(&self) -> bool {
+        match self.try_query::<String>(&["PING"]) {
+            Ok(_) => true,
+            Err(err) => err.code().is_some(),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kill the process (SIGKILL, by PID) and reap it. The files stay for `restart`.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stop, then start again on the same port with the same configuration.
+    pub fn restart(&mut self) {
+        self.stop();
+        assert!(
+            self.spawn(),
+            "redis-server did not restart:\n{}",
+            self.log()
+        );
+    }
+
+    /// Suspend the process (SIGSTOP): it keeps its connections and answers nothing.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resume a frozen process (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the server is not running");
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+
+    /// A fresh synchronous connection, with short timeouts.
+    pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
+        let client = redis::Client::open(self.url())?;
+        let connection = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        connection.set_read_timeout(Some(Duration::from_secs(5)))?;
+        Ok(connection)
+    }
+
+    /// Run one command, e.g. `server.query::<i64>(&["DBSIZE"])`; panics on error.
+    pub fn query<T: FromRedisValue>(&self, args: &[&str]) -> T {
+        self.try_query(args)
+            .unwrap_or_else(|err| panic!("{} on {}: {err}", args.join(" "), self.addr()))
+    }
+
+    pub fn try_query<T: FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
+        let mut command = redis::Cmd::new();
+        for arg in args {
+            command.arg(arg);
+        }
+        command.query(&mut self.connection()?)
+    }
+
+    /// Every key matching `pattern`, by SCAN.
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut connection = self.connection().expect("connect");
+        let mut keys: Vec<String> = redis::cmd("SCAN")
+            .cursor_arg(0)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .clone()
+            .iter(&mut connection)
+            .expect("SCAN")
+            .map(|k| k.expect("key"))
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// Wait until `done` holds for this server, or panic after `timeout` with `what`.
+    pub fn wait_until(&self, timeout: Duration, what: &str, done: impl Fn(&RedisServer) -> bool) {
+        let deadline = Instant::now() + timeout;
+        while !done(self) {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within {timeout:?} on {}",
+                self.addr()
+            );
+            sleep(POLL);
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A port nobody listens on; for a Cluster node, its bus port (+10000) too.
+fn free_port(cluster_bus: bool) -> u16 {
+    let bindable = |port: u16| TcpListener::bind(("127.0.0.1", port)).is_ok();
+    for _ in 0..1000 {
+        let port = fastrand::u16(20_000..45_000);
+        if bindable(port) && (!cluster_bus || bindable(port + 10_000)) {
+            return port;
+        }
+    }
+    panic!("no free port found");
+}
+
+/// A Cluster of masters without replicas, slots spread evenly by `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start(masters: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..masters)
+            .map(|_| RedisServer::launch(Kind::ClusterNode, ""))
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        create.args(nodes.iter().map(RedisServer::addr));
+        create.arg("--cluster-yes");
+        let log = nodes[0].dir.path().join("create.log");
+        let out = fs::File::create(&log).expect("create.log");
+        let mut child = create
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .spawn()
+            .expect("redis-cli must be installed");
+        let deadline = Instant::now() + CLUSTER_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for redis-cli") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("redis-cli --cluster create hung:\n{}", read(&log));
+            }
+            sleep(POLL);
+        };
+        assert!(
+            status.success(),
+            "redis-cli --cluster create failed:\n{}",
+            read(&log)
+        );
+        let cluster = RedisCluster { nodes };
+        for node in &cluster.nodes {
+            node.wait_until(CLUSTER_TIMEOUT, "cluster_state:ok", |n| {
+                n.try_query::<String>(&["CLUSTER", "INFO"])
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            });
+        }
+        cluster
+    }
+
+    /// One Cluster shared by the tests that run at the same time; stopped when the last of
+    /// them drops it (a static would never be dropped, and would leak the processes).
+    pub fn shared() -> Arc<RedisCluster> {
+        static SHARED: Mutex<Weak<RedisCluster>> = Mutex::new(Weak::new());
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(cluster) = shared.upgrade() {
+            return cluster;
+        }
+        let cluster = Arc::new(RedisCluster::start(3));
+        *shared = Arc::downgrade(&cluster);
+        cluster
+    }
+
+    /// The nodes' URLs, as seeds.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The node that owns `slot`.
+    pub fn owner(&self, slot: u16) -> &RedisServer {
+        let slots: Vec<redis::Value> = self.nodes[0].query(&["CLUSTER", "SLOTS"]);
+        for range in slots {
+            let redis::Value::Array(range) = range else {
+                continue;
+            };
+            let (Ok(start), Ok(end)) = (
+                i64::from_redis_value_ref(&range[0]),
+                i64::from_redis_value_ref(&range[1]),
+            ) else {
+                continue;
+            };
+            let redis::Value::Array(master) = &range[2] else {
+                continue;
+            };
+            let port = i64::from_redis_value_ref(&master[1]).expect("port");
+            if (start..=end).contains(&i64::from(slot)) {
+                return self
+                    .nodes
+                    .iter()
+                    .find(|n| i64::from(n.port) == port)
+                    .expect("a node of ours");
+            }
+        }
+        panic!("no node owns slot {slot}");
+    }
+
+    /// Every key matching `pattern` on any node.
+    pub fn keys(&self, pattern: &str) -> Vec<(String, &RedisServer)> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.keys(pattern).into_iter().map(move |k| (k, n)))
+            .collect()
+    }
+}
+
+fn read(path: &PathBuf) -> String {
+    fs::read_to_string(path).unwrap_or_default()
+}
