@@ -172,6 +172,14 @@ pub struct ServeArgs {
     /// Bound on connecting to Redis.
     #[arg(long, env = "TURNSTILE_REDIS_CONNECT_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub redis_connect_timeout: Duration,
+    /// Refusals remembered locally, so a key over its limit is refused without a round trip
+    /// until its reset (0 disables). Never admits anything the backend would refuse.
+    #[arg(long, env = "TURNSTILE_LOCAL_CACHE_ENTRIES", default_value_t = 100_000)]
+    pub local_cache_entries: usize,
+    /// The reference's local cache size; when set, it sizes the cache instead (one entry per
+    /// 256 bytes; 0 disables it).
+    #[arg(long, env = "LOCAL_CACHE_SIZE_IN_BYTES")]
+    pub local_cache_size_in_bytes: Option<usize>,
     /// Prefix of every Redis key.
     #[arg(long, env = "CACHE_KEY_PREFIX", default_value = "")]
     pub cache_key_prefix: String,

@@ -74,6 +74,7 @@ pub struct Metrics {
     pub invalid_request: Counter,
     pub backend_error: Counter,
     pub fallback_answers: Counter,
+    pub local_cache_hits: Counter,
     circuit_open: Gauge,
 }
 
@@ -122,6 +123,7 @@ impl Metrics {
                 vec![Label::new("err_type", "backend")],
             ),
             fallback_answers: plain("turnstile_backend_fallback_answers"),
+            local_cache_hits: plain("ratelimit_service_rate_limit_over_limit_with_local_cache"),
             circuit_open: recorder
                 .register_gauge(&Key::from_name("turnstile_backend_circuit_open"), &METADATA),
             recorder,

@@ -17,6 +17,7 @@ use crate::admin::{self, Admin};
 use crate::backend::breaker::{Breaker, BreakerConfig};
 use crate::backend::deferred::Deferred;
 use crate::backend::memory::MemoryBackend;
+use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use crate::backend::{Backend, Charging};
 use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
@@ -125,10 +126,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         BackendKind::Redis => {
             let config = redis_config(&args)?;
             tracing::info!(?config, "connecting to Redis");
-            let backend = Deferred::connect(move || {
+            let connected = Deferred::connect(move || {
                 let config = config.clone();
                 async move { RedisBackend::connect(&config).await }
             });
+            let entries = args
+                .local_cache_size_in_bytes
+                .map_or(args.local_cache_entries, |bytes| bytes / 256);
+            let backend = OverLimitCache::new(connected, entries, metrics.clone());
             run(backend, &args, rules, metrics).await
         }
     }

@@ -895,3 +895,79 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
         assert_eq!(count_on_replica(), Some(before + 1));
     }
 }
+
+// ---- over-limit cache ----------------------------------------------------------------------
+
+/// How many script calls the server has run.
+fn script_calls(server: &RedisServer) -> u64 {
+    let info: String = server.query(&["INFO", "commandstats"]);
+    ["evalsha", "eval"]
+        .iter()
+        .filter_map(|cmd| {
+            let line = info
+                .lines()
+                .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))?;
+            line.split(['=', ','])
+                .nth(1)
+                .and_then(|calls| calls.parse::<u64>().ok())
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuses() {
+    use std::sync::Arc;
+    use turnstile::backend::overlimit_cache::OverLimitCache;
+    use turnstile::metrics::Metrics;
+
+    let server = RedisServer::start();
+    let metrics = Arc::new(Metrics::new(0.8, 100));
+    let cache = OverLimitCache::new(single(&server, "").await, 1_000, metrics.clone());
+    let one_per_hour = limit(Algorithm::FixedWindow, 1, Unit::Hour);
+    let hot = hit("hot", one_per_hour, 1);
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    assert!(one(&cache, &hot).await.admitted);
+    let refused = one(&cache, &hot).await;
+    assert!(!refused.admitted, "Redis refuses the second hit");
+
+    let calls = script_calls(&server);
+    for _ in 0..20 {
+        let cached = one(&cache, &hot).await;
+        assert!(!cached.admitted);
+        assert!(cached.reset_after <= refused.reset_after);
+    }
+    assert_eq!(
+        script_calls(&server),
+        calls,
+        "refused locally: no round trip"
+    );
+
+    // Reads, and a raised limit (a reload or a request override), still reach Redis.
+    let read = one(&cache, &hit("hot", one_per_hour, 0)).await;
+    assert!(read.admitted, "a read at the limit is not over it");
+    let raised = one(
+        &cache,
+        &hit("hot", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1),
+    )
+    .await;
+    assert_eq!((raised.admitted, raised.remaining), (true, 3));
+    assert_eq!(script_calls(&server), calls + 2);
+
+    // A request that the cache refuses charges nothing on its other hits.
+    let other = hit("other", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
+    let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
+    assert_eq!(
+        (both[0].admitted, both[0].remaining, both[1].admitted),
+        (true, 10, false)
+    );
+    assert_eq!(
+        one(&cache, &other).await.remaining,
+        9,
+        "the refused request charged nothing"
+    );
+    assert!(
+        metrics
+            .render()
+            .contains("ratelimit_service_rate_limit_over_limit_with_local_cache 21")
+    );
+}

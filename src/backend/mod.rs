@@ -8,6 +8,7 @@
 pub mod breaker;
 pub mod deferred;
 pub mod memory;
+pub mod overlimit_cache;
 pub mod redis;
 
 use std::future::Future;

@@ -1,0 +1,153 @@
+//! The over-limit cache: when the backend refuses a hit until time T, later hits on the same
+//! key are refused locally until T, without a round trip. A hot key that is over its limit
+//! (the usual shape of abuse) then costs Redis nothing.
+//!
+//! It can only refuse, never admit, so it cannot let through anything Redis would refuse. A
+//! cached refusal holds only for the same limit (a reload or a request override that changes
+//! the limit bypasses it: a raised override is honoured at once) and for hits costing at least
+//! as much as the refused one; reads (cost 0) always go to the backend. When a request has
+//! other hits, they are still asked of the backend, read-only if the cached refusal already
+//! refuses the request, so every status carries real figures.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use super::{Backend, BackendError, Charging, Hit, Outcome, Role};
+use crate::limit::Limit;
+use crate::metrics::Metrics;
+
+const SHARDS: usize = 16;
+
+#[derive(Clone, Copy)]
+struct Refusal {
+    until: Instant,
+    limit: Limit,
+    hits: u64,
+}
+
+pub struct OverLimitCache<B> {
+    inner: B,
+    shards: Vec<Mutex<HashMap<String, Refusal>>>,
+    hasher: RandomState,
+    max_per_shard: usize,
+    metrics: Arc<Metrics>,
+}
+
+impl<B: Backend> OverLimitCache<B> {
+    /// `max_entries` bounds the memory; 0 disables the cache.
+    pub fn new(inner: B, max_entries: usize, metrics: Arc<Metrics>) -> OverLimitCache<B> {
+        OverLimitCache {
+            inner,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: RandomState::new(),
+            max_per_shard: max_entries.div_ceil(SHARDS),
+            metrics,
+        }
+    }
+
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Refusal>> {
+        self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cached refusal that applies to `hit` now, if any.
+    fn cached(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
+        if self.max_per_shard == 0 || hit.role != Role::Enforce || hit.hits == 0 {
+            return None;
+        }
+        let refusal = *self.shard(&hit.key).get(&hit.key)?;
+        (now < refusal.until && refusal.limit == hit.limit && hit.hits >= refusal.hits).then(|| {
+            Outcome {
+                admitted: false,
+                remaining: 0,
+                reset_after: refusal.until - now,
+            }
+        })
+    }
+
+    fn remember(&self, hit: &Hit, outcome: &Outcome, now: Instant) {
+        if self.max_per_shard == 0
+            || outcome.admitted
+            || hit.role != Role::Enforce
+            || hit.hits == 0
+            || outcome.reset_after.is_zero()
+        {
+            return;
+        }
+        let mut shard = self.shard(&hit.key);
+        if shard.len() >= self.max_per_shard && !shard.contains_key(&hit.key) {
+            shard.retain(|_, r| r.until > now);
+            if shard.len() >= self.max_per_shard {
+                return;
+            }
+        }
+        shard.insert(
+            hit.key.clone(),
+            Refusal {
+                until: now + outcome.reset_after,
+                limit: hit.limit,
+                hits: hit.hits,
+            },
+        );
+    }
+}
+
+impl<B: Backend> Backend for OverLimitCache<B> {
+    async fn evaluate(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        let now = Instant::now();
+        let cached: Vec<Option<Outcome>> = hits.iter().map(|h| self.cached(h, now)).collect();
+        if cached.iter().all(Option::is_none) {
+            let outcomes = self.inner.evaluate(hits, charging).await?;
+            for (hit, outcome) in hits.iter().zip(&outcomes) {
+                self.remember(hit, outcome, now);
+            }
+            return Ok(outcomes);
+        }
+        self.metrics
+            .local_cache_hits
+            .increment(cached.iter().flatten().count() as u64);
+        // A cached refusal (always of an enforced hit) refuses the request, so under atomic
+        // charging the rest is only read; under per-descriptor charging it is charged.
+        let read_only = charging == Charging::Atomic;
+        let rest: Vec<Hit> = hits
+            .iter()
+            .zip(&cached)
+            .filter(|(_, c)| c.is_none())
+            .map(|(h, _)| Hit {
+                hits: if read_only { 0 } else { h.hits },
+                ..h.clone()
+            })
+            .collect();
+        let answered = if rest.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.evaluate(&rest, charging).await?
+        };
+        if answered.len() != rest.len() {
+            return Err(BackendError::Unavailable(format!(
+                "backend answered {} outcomes for {} hits",
+                answered.len(),
+                rest.len()
+            )));
+        }
+        for (hit, outcome) in rest.iter().zip(&answered) {
+            self.remember(hit, outcome, now);
+        }
+        let mut answered = answered.into_iter();
+        Ok(cached
+            .into_iter()
+            .filter_map(|c| c.or_else(|| answered.next()))
+            .collect())
+    }
+
+    async fn ready(&self) -> bool {
+        self.inner.ready().await
+    }
+}
