@@ -24,3 +24,4 @@ pub mod request;
 pub mod response;
 pub mod server;
 pub mod service;
+pub mod telemetry;

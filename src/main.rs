@@ -1,22 +1,8 @@
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
-use turnstile::cli::{Cli, Command, LogFormat};
-use turnstile::{config, server};
-
-fn init_logs(level: &str, format: LogFormat) {
-    let filter = EnvFilter::try_new(level).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
+use turnstile::cli::{Cli, Command};
+use turnstile::{config, server, telemetry};
 
 fn check(args: &turnstile::cli::CheckArgs) -> ExitCode {
     match config::load(&args.config) {
@@ -43,13 +29,17 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check(&args),
         Command::Serve(args) => {
-            init_logs(&args.log_level, args.log_format);
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(runtime) => runtime,
                 Err(error) => {
                     eprintln!("cannot start the runtime: {error}");
                     return ExitCode::FAILURE;
                 }
+            };
+            // The trace exporter needs the runtime; it is flushed when dropped, at exit.
+            let _telemetry = {
+                let _entered = runtime.enter();
+                telemetry::init(&args.log_level, args.log_format)
             };
             match runtime.block_on(server::serve(*args)) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
-use crate::backend::Outcome;
+use crate::backend::{BackendError, Outcome};
 
 /// gRPC methods with their own series; any other path is counted as "other".
 const GRPC_METHODS: [&str; 4] = ["ShouldRateLimit", "Check", "Watch", "other"];
@@ -72,7 +72,8 @@ pub struct Metrics {
     pub config_load_error: Counter,
     pub global_shadow_mode: Counter,
     pub invalid_request: Counter,
-    pub backend_error: Counter,
+    backend_errors: Vec<Counter>,
+    pub backend_latency: Histogram,
     pub fallback_answers: Counter,
     pub local_cache_hits: Counter,
     circuit_open: Gauge,
@@ -117,10 +118,19 @@ impl Metrics {
                 "ratelimit_service_should_rate_limit_error",
                 vec![Label::new("err_type", "invalid_argument")],
             ),
-            backend_error: counter(
-                &recorder,
-                "ratelimit_service_should_rate_limit_error",
-                vec![Label::new("err_type", "backend")],
+            backend_errors: BackendError::KINDS
+                .iter()
+                .map(|&kind| {
+                    counter(
+                        &recorder,
+                        "ratelimit_service_should_rate_limit_error",
+                        vec![Label::new("err_type", kind)],
+                    )
+                })
+                .collect(),
+            backend_latency: recorder.register_histogram(
+                &Key::from_name("turnstile_backend_latency_seconds"),
+                &METADATA,
             ),
             fallback_answers: plain("turnstile_backend_fallback_answers"),
             local_cache_hits: plain("ratelimit_service_rate_limit_over_limit_with_local_cache"),
@@ -194,6 +204,14 @@ impl Metrics {
             if hit.shadow {
                 counters.shadow_mode.increment(hit.hits);
             }
+        }
+    }
+
+    /// Count a failed backend call by its kind.
+    pub fn backend_error(&self, error: &BackendError) {
+        let kind = error.kind();
+        if let Some(i) = BackendError::KINDS.iter().position(|k| *k == kind) {
+            self.backend_errors[i].increment(1);
         }
     }
 

@@ -16,6 +16,7 @@ use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
 use crate::backend::breaker::{Breaker, BreakerConfig};
 use crate::backend::deferred::Deferred;
+use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode};
@@ -121,6 +122,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         BackendKind::Memory => {
             let backend = MemoryBackend::new(args.memory_max_keys);
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
+            let backend = Measured::new(backend, metrics.clone());
             run(backend, &args, rules, metrics).await
         }
         BackendKind::Redis => {
@@ -133,7 +135,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let entries = args
                 .local_cache_size_in_bytes
                 .map_or(args.local_cache_entries, |bytes| bytes / 256);
-            let backend = OverLimitCache::new(connected, entries, metrics.clone());
+            let measured = Measured::new(connected, metrics.clone());
+            let backend = OverLimitCache::new(measured, entries, metrics.clone());
             run(backend, &args, rules, metrics).await
         }
     }

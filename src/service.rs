@@ -9,6 +9,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::active::ActiveRules;
 use crate::backend::{Backend, BackendError, Charging, Outcome, Role};
@@ -57,6 +58,7 @@ impl<B: Backend> RateLimiter<B> {
     }
 
     /// Decide one request.
+    #[tracing::instrument(level = "trace", name = "should_rate_limit", skip_all, fields(domain = %request.domain))]
     pub async fn check(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         let request = CheckRequest::parse(request, &self.settings.bounds).map_err(|invalid| {
             self.metrics.invalid_request.increment(1);
@@ -70,11 +72,13 @@ impl<B: Backend> RateLimiter<B> {
         let outcomes = if plan.hits.is_empty() {
             Vec::new()
         } else {
-            match self
+            let span = tracing::trace_span!("backend", hits = plan.hits.len());
+            let evaluated = self
                 .backend
                 .evaluate(&plan.hits, self.settings.charging)
-                .await
-            {
+                .instrument(span)
+                .await;
+            match evaluated {
                 Ok(outcomes) => outcomes,
                 Err(error) => self.on_backend_error(&plan, request.domain, error)?,
             }
@@ -94,7 +98,7 @@ impl<B: Backend> RateLimiter<B> {
         domain: &str,
         error: BackendError,
     ) -> Result<Vec<Outcome>, Status> {
-        self.metrics.backend_error.increment(1);
+        self.metrics.backend_error(&error);
         let policy = plan
             .on_backend_error
             .unwrap_or(self.settings.on_backend_error);

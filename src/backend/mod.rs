@@ -7,6 +7,7 @@
 
 pub mod breaker;
 pub mod deferred;
+pub mod measured;
 pub mod memory;
 pub mod overlimit_cache;
 pub mod redis;
@@ -65,6 +66,25 @@ pub enum BackendError {
     Full(String),
     #[error("backend circuit open: failing fast")]
     CircuitOpen,
+}
+
+impl BackendError {
+    /// A short name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendError::Timeout => "backend_timeout",
+            BackendError::Unavailable(_) => "backend_unavailable",
+            BackendError::Full(_) => "backend_full",
+            BackendError::CircuitOpen => "circuit_open",
+        }
+    }
+
+    pub const KINDS: [&'static str; 4] = [
+        "backend_timeout",
+        "backend_unavailable",
+        "backend_full",
+        "circuit_open",
+    ];
 }
 
 /// Storage for limit state.
