@@ -180,6 +180,15 @@ pub struct ServeArgs {
     /// 256 bytes; 0 disables it).
     #[arg(long, env = "LOCAL_CACHE_SIZE_IN_BYTES")]
     pub local_cache_size_in_bytes: Option<usize>,
+    /// PEM CA to trust for rediss:// URLs instead of the system's roots.
+    #[arg(long, env = "REDIS_TLS_CACERT")]
+    pub redis_tls_cacert: Option<PathBuf>,
+    /// PEM client certificate for Redis servers that require one.
+    #[arg(long, env = "REDIS_TLS_CLIENT_CERT", requires = "redis_tls_client_key")]
+    pub redis_tls_client_cert: Option<PathBuf>,
+    /// PEM key of the client certificate.
+    #[arg(long, env = "REDIS_TLS_CLIENT_KEY", requires = "redis_tls_client_cert")]
+    pub redis_tls_client_key: Option<PathBuf>,
     /// Prefix of every Redis key.
     #[arg(long, env = "CACHE_KEY_PREFIX", default_value = "")]
     pub cache_key_prefix: String,

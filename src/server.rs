@@ -19,7 +19,7 @@ use crate::backend::deferred::Deferred;
 use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::overlimit_cache::OverLimitCache;
-use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode};
+use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::{Backend, Charging};
 use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
 use crate::config::{self, RuleSet};
@@ -100,7 +100,18 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
         key_prefix: args.cache_key_prefix.clone(),
+        tls: RedisTls {
+            ca: args.redis_tls_cacert.as_ref().map(read).transpose()?,
+            client: match (&args.redis_tls_client_cert, &args.redis_tls_client_key) {
+                (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+                _ => None,
+            },
+        },
     })
+}
+
+fn read(path: &std::path::PathBuf) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -254,9 +265,6 @@ fn tls_config(args: &ServeArgs) -> anyhow::Result<Option<ServerTlsConfig>> {
             anyhow::bail!("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY");
         }
         return Ok(None);
-    };
-    let read = |path: &std::path::PathBuf| {
-        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
     };
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
     if let Some(ca) = &args.grpc_client_ca {

@@ -971,3 +971,79 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
             .contains("ratelimit_service_rate_limit_over_limit_with_local_cache 21")
     );
 }
+
+// ---- TLS ----------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn tls_with_a_private_ca_and_a_client_certificate() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    use turnstile::backend::redis::RedisTls;
+
+    // Distinct names: OpenSSL takes a certificate whose subject is its issuer's for a
+    // self-signed one.
+    let params = |names: Vec<String>, common_name: &str| {
+        let mut params = CertificateParams::new(names).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
+        params
+    };
+    let mut ca_params = params(Vec::new(), "turnstile test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = params(vec![name.to_owned()], name)
+            .signed_by(&key, &ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf("127.0.0.1");
+    let (client_cert, client_key) = leaf("turnstile");
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, pem: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.display().to_string()
+    };
+    let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _server = RedisServer::start_with(&format!(
+        "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients yes\n",
+        file("server.pem", &server_cert),
+        file("server.key", &server_key),
+        file("ca.pem", &ca.pem()),
+    ));
+    let url = format!("rediss://127.0.0.1:{tls_port}");
+    let with = |tls: RedisTls| RedisConfig {
+        tls,
+        ..config(vec![url.clone()], RedisMode::Single, "")
+    };
+
+    let full = with(RedisTls {
+        ca: Some(ca.pem().into_bytes()),
+        client: Some((client_cert.into_bytes(), client_key.into_bytes())),
+    });
+    let backend = RedisBackend::connect(&full)
+        .await
+        .expect("TLS with a client certificate");
+    let h = hit("tls", limit(Algorithm::TokenBucket, 5, Unit::Minute), 1);
+    assert_eq!(one(&backend, &h).await.remaining, 4);
+
+    let no_client_cert = with(RedisTls {
+        ca: Some(ca.pem().into_bytes()),
+        client: None,
+    });
+    assert!(
+        RedisBackend::connect(&no_client_cert).await.is_err(),
+        "the server requires a client certificate"
+    );
+    let system_roots = with(RedisTls::default());
+    assert!(
+        RedisBackend::connect(&system_roots).await.is_err(),
+        "a private CA is not trusted by default"
+    );
+}

@@ -11,12 +11,12 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{
-    AsyncConnectionConfig, Client, Cmd, ConnectionInfo, FromRedisValue, IntoConnectionInfo,
-    RedisError, RedisResult,
+    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, ConnectionInfo, FromRedisValue,
+    IntoConnectionInfo, RedisError, RedisResult, TlsCertificates,
 };
 
 use super::sentinel::SentinelPool;
-use super::{RedisConfig, RedisMode};
+use super::{RedisConfig, RedisMode, RedisTls};
 use crate::backend::BackendError;
 
 /// Connections picked in turn, so concurrent requests spread over them.
@@ -58,7 +58,7 @@ impl Pool {
             match &config.mode {
                 RedisMode::Single => match <[ConnectionInfo; 1]>::try_from(infos) {
                     Ok([info]) => {
-                        let client = Client::open(info).map_err(unavailable)?;
+                        let client = client(info, &config.tls).map_err(unavailable)?;
                         let managers = managers(&client, connections, config).await?;
                         Ok(Pool::Single(RoundRobin::new(managers)))
                     }
@@ -76,7 +76,11 @@ impl Pool {
                     if infos.is_empty() {
                         return Err(BackendError::Unavailable("no Redis Cluster URL".into()));
                     }
-                    let client = ClusterClientBuilder::new(infos)
+                    let mut builder = ClusterClientBuilder::new(infos);
+                    if let Some(certs) = certificates(&config.tls) {
+                        builder = builder.certs(certs);
+                    }
+                    let client = builder
                         .connection_timeout(config.connect_timeout)
                         // Redirects are followed at once; waits only matter for TRYAGAIN or
                         // CLUSTERDOWN, and a rate-limit decision cannot wait long anyway.
@@ -167,6 +171,28 @@ pub(super) fn manager_config(config: &RedisConfig) -> ConnectionManagerConfig {
 }
 
 /// Parse a configured URL; a bare `host:port` gets `redis://`.
+/// The certificates redis-rs needs, when any are configured.
+fn certificates(tls: &RedisTls) -> Option<TlsCertificates> {
+    (tls.ca.is_some() || tls.client.is_some()).then(|| TlsCertificates {
+        client_tls: tls
+            .client
+            .clone()
+            .map(|(client_cert, client_key)| ClientTlsConfig {
+                client_cert,
+                client_key,
+            }),
+        root_cert: tls.ca.clone(),
+    })
+}
+
+/// A client for one server, with the configured certificates.
+pub(super) fn client(info: ConnectionInfo, tls: &RedisTls) -> RedisResult<Client> {
+    match certificates(tls) {
+        Some(certs) => Client::build_with_tls(info, certs),
+        None => Client::open(info),
+    }
+}
+
 pub(super) fn parse(url: &str) -> Result<ConnectionInfo, BackendError> {
     let full = if url.contains("://") {
         url.to_string()

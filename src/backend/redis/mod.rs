@@ -54,6 +54,17 @@ pub struct RedisConfig {
     pub call_timeout: Duration,
     /// Prepended to every key, outside the hash tag; must not contain braces. Default: "".
     pub key_prefix: String,
+    /// Certificates for `rediss://` URLs beyond the system's roots (single and Cluster).
+    pub tls: RedisTls,
+}
+
+/// PEM certificates for TLS to Redis.
+#[derive(Clone, Default)]
+pub struct RedisTls {
+    /// A CA to trust instead of the system's roots.
+    pub ca: Option<Vec<u8>>,
+    /// A client certificate and key, for servers that require one (`tls-auth-clients yes`).
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Default for RedisConfig {
@@ -65,6 +76,7 @@ impl Default for RedisConfig {
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_millis(25),
             key_prefix: String::new(),
+            tls: RedisTls::default(),
         }
     }
 }
@@ -80,6 +92,8 @@ impl fmt::Debug for RedisConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("call_timeout", &self.call_timeout)
             .field("key_prefix", &self.key_prefix)
+            .field("tls_ca", &self.tls.ca.is_some())
+            .field("tls_client", &self.tls.client.is_some())
             .finish()
     }
 }
