@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::config::Source;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "turnstile",
@@ -29,9 +31,49 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct CheckArgs {
-    /// A rules file, or a directory whose *.yaml / *.yml files are loaded.
+    #[command(flatten)]
+    pub rules: RulesArgs,
+}
+
+/// Where the rules are: `--config`, or else the reference's runtime layout.
+#[derive(Debug, Args)]
+pub struct RulesArgs {
+    /// A rules file, or a directory whose *.yaml / *.yml files are loaded. Without it, the
+    /// reference's layout is read: every file below RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
+    /// RUNTIME_APPDIRECTORY.
     #[arg(long, env = "TURNSTILE_CONFIG")]
-    pub config: PathBuf,
+    pub config: Option<PathBuf>,
+    #[arg(
+        long,
+        env = "RUNTIME_ROOT",
+        default_value = "/srv/runtime_data/current"
+    )]
+    pub runtime_root: PathBuf,
+    #[arg(long, env = "RUNTIME_SUBDIRECTORY", default_value = "")]
+    pub runtime_subdirectory: String,
+    #[arg(long, env = "RUNTIME_APPDIRECTORY", default_value = "config")]
+    pub runtime_appdirectory: String,
+    /// Skip dotfiles and dot-directories in the runtime layout.
+    #[arg(long, env = "RUNTIME_IGNOREDOTFILES")]
+    pub runtime_ignoredotfiles: bool,
+    /// Let one domain span several files (descriptors are merged; duplicates are errors).
+    #[arg(long, env = "MERGE_DOMAIN_CONFIG")]
+    pub merge_domain_config: bool,
+}
+
+impl RulesArgs {
+    pub fn source(&self) -> Source {
+        match &self.config {
+            Some(path) => Source::path(path.clone(), self.merge_domain_config),
+            None => Source::runtime(
+                &self.runtime_root,
+                &self.runtime_subdirectory,
+                &self.runtime_appdirectory,
+                self.runtime_ignoredotfiles,
+                self.merge_domain_config,
+            ),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -90,9 +132,8 @@ fn duration(text: &str) -> Result<Duration, String> {
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// A rules file, or a directory whose *.yaml / *.yml files are loaded.
-    #[arg(long, env = "TURNSTILE_CONFIG")]
-    pub config: PathBuf,
+    #[command(flatten)]
+    pub rules: RulesArgs,
 
     /// Poll the rules at this period instead of watching them with inotify (for file
     /// systems without change events). Either way, SIGHUP forces a reload.

@@ -2,17 +2,18 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use turnstile::cli::{Cli, Command};
-use turnstile::{config, server, telemetry};
+use turnstile::{server, telemetry};
 
 fn check(args: &turnstile::cli::CheckArgs) -> ExitCode {
-    match config::load(&args.config) {
+    let source = args.rules.source();
+    match source.load() {
         Ok(rules) => {
             for domain in rules.domains() {
                 println!("domain {}: {} rules", domain.name(), domain.rule_count());
             }
             println!(
                 "{}: OK (version {})",
-                args.config.display(),
+                source.path.display(),
                 rules.version()
             );
             ExitCode::SUCCESS

@@ -1,15 +1,15 @@
 //! Rules reload when their files change: validate the whole set, then swap it in; a bad
 //! edit is reported and the rules in force stay.
 //!
-//! The watch is on the directory (the config directory, or the parent of a config file),
-//! not on the files: editors save by renaming over the file, `cp` truncates and rewrites
+//! The watch is on directories (the config directory, or the parent of a config file, and
+//! for the reference's runtime layout the parent of its root), not on the files: editors save by renaming over the file, `cp` truncates and rewrites
 //! it, and Kubernetes swaps a `..data` symlink to a new directory — all of these show up as
 //! events in the directory, where a file watch would lose track. Events are debounced so a
 //! burst of writes (many files, a half-written file) is read once, after it settles. The
 //! version hash makes a reload of identical content a no-op. SIGHUP forces a reload. Where
 //! inotify is unavailable, the directory is polled instead.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use notify::{PollWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
 use crate::active::ActiveRules;
-use crate::config;
+use crate::config::Source;
 use crate::metrics::Metrics;
 
 /// Quiet time after the last file event before the rules are read.
@@ -35,15 +35,15 @@ pub enum Reloaded {
 }
 
 pub struct Reloader {
-    path: PathBuf,
+    source: Source,
     rules: Arc<ActiveRules>,
     metrics: Arc<Metrics>,
 }
 
 impl Reloader {
-    pub fn new(path: PathBuf, rules: Arc<ActiveRules>, metrics: Arc<Metrics>) -> Reloader {
+    pub fn new(source: Source, rules: Arc<ActiveRules>, metrics: Arc<Metrics>) -> Reloader {
         Reloader {
-            path,
+            source,
             rules,
             metrics,
         }
@@ -51,7 +51,7 @@ impl Reloader {
 
     /// Read and validate the files; swap them in only if they are valid and different.
     pub fn reload(&self) -> Reloaded {
-        match config::load(&self.path) {
+        match self.source.load() {
             Ok(rules) if rules.version() == self.rules.current().rules.version() => {
                 Reloaded::Unchanged
             }
@@ -76,15 +76,19 @@ impl Reloader {
     /// that period instead of inotify.
     pub async fn watch(self, poll: Option<Duration>) {
         let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-        let watched = watched_dir(&self.path);
-        // Keep the watcher alive for as long as this task runs.
-        let _watcher = match start_watcher(&watched, poll, tx.clone()) {
-            Ok(watcher) => Some(watcher),
-            Err(error) => {
-                tracing::error!(%error, dir = %watched.display(), "cannot watch rules; reload with SIGHUP");
-                None
-            }
-        };
+        // Keep the watchers alive for as long as this task runs.
+        let _watchers: Vec<_> = self
+            .source
+            .watch
+            .iter()
+            .filter_map(|(dir, recursive)| {
+                start_watcher(dir, *recursive, poll, tx.clone())
+                    .inspect_err(|error| {
+                        tracing::error!(%error, dir = %dir.display(), "cannot watch rules; reload with SIGHUP");
+                    })
+                    .ok()
+            })
+            .collect();
         tokio::spawn(forward_sighup(tx));
         while rx.recv().await.is_some() {
             // Debounce: wait until events stop for DEBOUNCE, then read once.
@@ -100,19 +104,9 @@ impl Reloader {
     }
 }
 
-/// The directory to watch: the config directory itself, or a config file's parent.
-fn watched_dir(path: &Path) -> PathBuf {
-    if path.is_dir() {
-        return path.to_owned();
-    }
-    match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_owned(),
-        _ => PathBuf::from("."),
-    }
-}
-
 fn start_watcher(
     dir: &Path,
+    recursive: bool,
     poll: Option<Duration>,
     tx: mpsc::UnboundedSender<()>,
 ) -> notify::Result<Box<dyn Watcher + Send>> {
@@ -142,7 +136,12 @@ fn start_watcher(
             }
         },
     };
-    watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    let mode = if recursive {
+        RecursiveMode::Recursive
+    } else {
+        RecursiveMode::NonRecursive
+    };
+    watcher.watch(dir, mode)?;
     Ok(watcher)
 }
 

@@ -22,7 +22,7 @@ use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::{Backend, Charging};
 use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
-use crate::config::{self, RuleSet};
+use crate::config::RuleSet;
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::Health;
 use crate::layers::GrpcMetricsLayer;
@@ -115,16 +115,17 @@ fn read(path: &std::path::PathBuf) -> anyhow::Result<Vec<u8>> {
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let rules = config::load(&args.config).map_err(|errors| {
+    let source = args.rules.source();
+    let rules = source.load().map_err(|errors| {
         anyhow::anyhow!(
             "cannot load rules from {}:\n{errors}",
-            args.config.display()
+            source.path.display()
         )
     })?;
     let metrics = Arc::new(Metrics::new(args.near_limit_ratio, args.max_series));
     metrics.config_load_success.increment(1);
     tracing::info!(
-        path = %args.config.display(),
+        path = %source.path.display(),
         version = rules.version(),
         domains = rules.domains().count(),
         "rules loaded"
@@ -160,7 +161,7 @@ async fn run<B: Backend>(
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<()> {
     let rules = Arc::new(ActiveRules::new(rules));
-    let reloader = Reloader::new(args.config.clone(), rules.clone(), metrics.clone());
+    let reloader = Reloader::new(args.rules.source(), rules.clone(), metrics.clone());
     let watcher = tokio::spawn(reloader.watch(args.config_poll_interval));
     let fallback = Fallback::new(args.local_share, args.memory_max_keys);
     fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);

@@ -205,3 +205,39 @@ async fn reloads_under_load_fail_no_request() {
     assert!(ok > 64, "the load ran");
     assert_eq!(failed, 0);
 }
+
+#[tokio::test]
+async fn the_reference_runtime_layout_loads_and_follows_a_root_symlink_swap() {
+    // RUNTIME_ROOT=<dir>/current -> v1, rules in current/ratelimit/config/*, any file name,
+    // two files of one domain merged (MERGE_DOMAIN_CONFIG), dotfiles skipped.
+    let dir = tempfile::tempdir().unwrap();
+    let version = |n: u32| {
+        let config = dir.path().join(format!("v{n}/ratelimit/config"));
+        std::fs::create_dir_all(&config).unwrap();
+        std::fs::write(config.join("a.conf"), rules("rt", n)).unwrap();
+        std::fs::write(
+            config.join("b"),
+            "domain: rt\ndescriptors:\n  - key: other\n    rate_limit: {unit: hour, requests_per_unit: 7}\n",
+        )
+        .unwrap();
+        std::fs::write(config.join(".editor-swap"), "not: [yaml").unwrap();
+        dir.path().join(format!("v{n}"))
+    };
+    let current = dir.path().join("current");
+    std::os::unix::fs::symlink(version(1), &current).unwrap();
+    let root = current.to_str().unwrap();
+    let env = [
+        ("RUNTIME_ROOT", root),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+        ("MERGE_DOMAIN_CONFIG", "true"),
+    ];
+    let t = Turnstile::start_with(&[], &env).await;
+    assert_eq!(limit_of(&t, "rt").await, Some(1));
+
+    let next = version(2);
+    let tmp = dir.path().join("current.tmp");
+    std::os::unix::fs::symlink(next, &tmp).unwrap();
+    std::fs::rename(&tmp, &current).unwrap();
+    wait_for(&t, "rt", Some(2)).await;
+}

@@ -12,7 +12,7 @@ mod yaml;
 
 use std::fmt;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use matcher::{DomainRules, Rule, RuleSet};
 pub use validate::SLIDING_WINDOW_MAX_LIMIT;
@@ -62,10 +62,96 @@ impl fmt::Display for ConfigErrors {
 
 impl std::error::Error for ConfigErrors {}
 
+/// How a rules path is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    /// Which files of a directory are rules.
+    pub files: Files,
+    /// One domain may span files (the reference's MERGE_DOMAIN_CONFIG).
+    pub merge_domains: bool,
+}
+
+/// Where the rules are and how to read them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub path: PathBuf,
+    pub options: LoadOptions,
+    /// Directories whose changes may change the rules, and whether to watch below them.
+    pub watch: Vec<(PathBuf, bool)>,
+}
+
+impl Source {
+    /// `--config`: a file (its directory is watched, so renames over it are seen) or a
+    /// directory of YAML files.
+    pub fn path(path: PathBuf, merge_domains: bool) -> Source {
+        let dir = if path.is_dir() {
+            path.clone()
+        } else {
+            match path.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => parent.to_owned(),
+                _ => PathBuf::from("."),
+            }
+        };
+        Source {
+            path,
+            options: LoadOptions {
+                files: Files::Yaml,
+                merge_domains,
+            },
+            watch: vec![(dir, false)],
+        }
+    }
+
+    /// The reference's runtime layout: `root/subdirectory/appdirectory`, every file below it.
+    /// Both of the reference's reload triggers are watched: changes inside the directory, and
+    /// `root` itself being swapped (an atomic symlink flip) in its parent.
+    pub fn runtime(
+        root: &Path,
+        subdirectory: &str,
+        appdirectory: &str,
+        ignore_dotfiles: bool,
+        merge_domains: bool,
+    ) -> Source {
+        let path = root.join(subdirectory).join(appdirectory);
+        let mut watch = vec![(path.clone(), true)];
+        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            watch.push((parent.to_owned(), false));
+        }
+        Source {
+            path,
+            options: LoadOptions {
+                files: Files::Runtime { ignore_dotfiles },
+                merge_domains,
+            },
+            watch,
+        }
+    }
+
+    pub fn load(&self) -> Result<RuleSet, ConfigErrors> {
+        load_with(&self.path, self.options)
+    }
+}
+
+/// Which files of a directory are rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Files {
+    /// `*.yaml` and `*.yml` directly inside it, dotfiles skipped.
+    #[default]
+    Yaml,
+    /// Every regular file below it, at any depth, as the reference's runtime directory is
+    /// read; dotfiles (and dot-directories) too unless `ignore_dotfiles`.
+    Runtime { ignore_dotfiles: bool },
+}
+
 /// Loads the rules at `path`: one file, or every `*.yaml`/`*.yml` directly inside a directory.
 pub fn load(path: &Path) -> Result<RuleSet, ConfigErrors> {
-    let files = source::config_files(path).map_err(|e| ConfigErrors(vec![e]))?;
-    let mut loader = Loader::default();
+    load_with(path, LoadOptions::default())
+}
+
+/// Loads the rules at `path` as `options` say.
+pub fn load_with(path: &Path, options: LoadOptions) -> Result<RuleSet, ConfigErrors> {
+    let files = source::config_files(path, options.files).map_err(|e| ConfigErrors(vec![e]))?;
+    let mut loader = Loader::new(options.merge_domains);
     for file in files {
         let name = file.display().to_string();
         match fs::read_to_string(&file) {
@@ -82,12 +168,11 @@ pub fn load(path: &Path) -> Result<RuleSet, ConfigErrors> {
 
 /// Loads rules from text, as if read from a file called `file_name`.
 pub fn load_str(file_name: &str, text: &str) -> Result<RuleSet, ConfigErrors> {
-    let mut loader = Loader::default();
+    let mut loader = Loader::new(false);
     loader.add(file_name, text);
     loader.finish()
 }
 
-#[derive(Default)]
 struct Loader {
     validator: Validator,
     files: Vec<String>,
@@ -96,6 +181,15 @@ struct Loader {
 }
 
 impl Loader {
+    fn new(merge_domains: bool) -> Loader {
+        Loader {
+            validator: Validator::new(merge_domains),
+            files: Vec::new(),
+            version: sha1_smol::Sha1::new(),
+            errors: Vec::new(),
+        }
+    }
+
     fn add(&mut self, name: &str, text: &str) {
         self.files.push(name.to_owned());
         // Lengths make the (name, bytes) sequence unambiguous.

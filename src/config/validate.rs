@@ -16,17 +16,35 @@ use crate::limit::{Algorithm, Limit, Unit};
 /// state one key can hold.
 pub const SLIDING_WINDOW_MAX_LIMIT: u32 = 10_000;
 
-/// Accumulates domains across documents and files, rejecting duplicates.
+/// Accumulates domains across documents and files, rejecting duplicates (or, with
+/// `merge_domains`, merging a domain's descriptors across files, as the reference's
+/// MERGE_DOMAIN_CONFIG does: a descriptor defined twice is still an error).
 #[derive(Default)]
 pub struct Validator {
-    domains: BTreeMap<String, DomainRules>,
+    merge_domains: bool,
+    domains: BTreeMap<String, DomainBuilder>,
+}
+
+/// One domain being compiled; merged files keep adding to it.
+#[derive(Default)]
+struct DomainBuilder {
+    root: Level,
+    /// Composite keys at the root, for duplicate checks across merged files.
+    seen: HashSet<String>,
+    rules: Vec<Rule>,
+    on_backend_error: Option<FailurePolicy>,
 }
 
 impl Validator {
+    pub fn new(merge_domains: bool) -> Validator {
+        Validator {
+            merge_domains,
+            domains: BTreeMap::new(),
+        }
+    }
+
     pub fn add(&mut self, file: &str, spec: &DomainSpec, errors: &mut Vec<ConfigError>) {
         let mut check = Check { file, errors };
-        let mut rules = Vec::new();
-        let root = check.level(&spec.domain, &spec.descriptors, &mut rules);
         let on_backend_error = spec.on_backend_error.as_ref().and_then(|policy| {
             let parsed = FailurePolicy::parse(&policy.value);
             if parsed.is_none() {
@@ -40,23 +58,50 @@ impl Validator {
             }
             parsed
         });
+        let known = self.domains.contains_key(&spec.domain);
         if spec.domain.is_empty() {
             check.error(spec.pos, "config file cannot have empty domain".to_owned());
-        } else if self.domains.contains_key(&spec.domain) {
+        } else if known && !self.merge_domains {
             check.error(
                 spec.pos,
                 format!("duplicate domain '{}' in config file", spec.domain),
             );
+        }
+        // Compiled even when the domain is refused, so its own errors are reported too.
+        let mut scratch = DomainBuilder::default();
+        let domain = if spec.domain.is_empty() || (known && !self.merge_domains) {
+            &mut scratch
         } else {
-            self.domains.insert(
-                spec.domain.clone(),
-                DomainRules::new(spec.domain.clone(), root, rules, on_backend_error),
-            );
+            self.domains.entry(spec.domain.clone()).or_default()
+        };
+        check.fill(
+            &mut domain.root,
+            &mut domain.seen,
+            &spec.domain,
+            &spec.descriptors,
+            &mut domain.rules,
+        );
+        match (domain.on_backend_error, on_backend_error) {
+            (Some(before), Some(now)) if before != now => check.error(
+                spec.on_backend_error.as_ref().map_or(spec.pos, |p| p.pos),
+                format!(
+                    "on_backend_error '{now}' conflicts with '{before}' set for domain '{}' in another file",
+                    spec.domain
+                ),
+            ),
+            (None, Some(now)) => domain.on_backend_error = Some(now),
+            _ => {}
         }
     }
 
     pub fn finish(self) -> BTreeMap<String, DomainRules> {
         self.domains
+            .into_iter()
+            .map(|(name, d)| {
+                let rules = DomainRules::new(name.clone(), d.root, d.rules, d.on_backend_error);
+                (name, rules)
+            })
+            .collect()
     }
 }
 
@@ -73,8 +118,20 @@ impl Check<'_> {
     /// Compiles one level; `parent` is the full key of the node that owns it.
     fn level(&mut self, parent: &str, specs: &[DescriptorSpec], rules: &mut Vec<Rule>) -> Level {
         let mut level = Level::default();
+        self.fill(&mut level, &mut HashSet::new(), parent, specs, rules);
+        level
+    }
+
+    /// Adds `specs` to `level`, whose composite keys so far are `seen`.
+    fn fill(
+        &mut self,
+        level: &mut Level,
+        seen: &mut HashSet<String>,
+        parent: &str,
+        specs: &[DescriptorSpec],
+        rules: &mut Vec<Rule>,
+    ) {
         // The reference keys a level by `key` or `key_value`; duplicates are judged the same way.
-        let mut seen = HashSet::new();
         for spec in specs {
             if spec.key.is_empty() {
                 self.error(spec.pos, "descriptor has empty key".to_owned());
@@ -97,7 +154,6 @@ impl Check<'_> {
             let children = self.level(&full_key, &spec.descriptors, rules);
             level.insert(&spec.key, spec.value.as_deref(), Step::new(rule, children));
         }
-        level
     }
 
     fn rule(
@@ -287,6 +343,46 @@ mod tests {
         assert_eq!(
             errors("domain: d\non_backend_error: open\n"),
             ["v.yaml:2:19: invalid on_backend_error 'open' (expected error, allow, deny or local)"]
+        );
+    }
+
+    #[test]
+    fn merged_domains_span_files_but_still_refuse_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = |k: &str, n: u32| {
+            format!(
+                "domain: d\ndescriptors:\n  - key: {k}\n    rate_limit: {{unit: minute, requests_per_unit: {n}}}\n"
+            )
+        };
+        std::fs::write(dir.path().join("a.yaml"), key("key1", 10)).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), key("key2", 20)).unwrap();
+        let merged = super::super::LoadOptions {
+            merge_domains: true,
+            ..Default::default()
+        };
+        let rules = super::super::load_with(dir.path(), merged).unwrap();
+        let d = rules.domain("d").unwrap();
+        let limit = |k| {
+            d.lookup([(k, "x")])
+                .unwrap()
+                .limit
+                .unwrap()
+                .requests_per_unit
+        };
+        assert_eq!((limit("key1"), limit("key2")), (10, 20));
+        let errors = super::super::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            errors.ends_with("b.yaml:1:9: duplicate domain 'd' in config file"),
+            "{errors}"
+        );
+
+        std::fs::write(dir.path().join("c.yaml"), key("key1", 30)).unwrap();
+        let errors = super::super::load_with(dir.path(), merged)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            errors.ends_with("c.yaml:3:5: duplicate descriptor composite key 'd.key1'"),
+            "{errors}"
         );
     }
 

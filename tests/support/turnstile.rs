@@ -2,7 +2,7 @@
 //! HTTP. The process is killed (by PID) when the handle drops.
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -51,20 +51,33 @@ pub struct Turnstile {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     args: Vec<String>,
-    config: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 impl Turnstile {
-    /// Start on the memory backend (unless `extra` says otherwise) and wait until healthy.
+    /// Start with rules from `config` on the memory backend (unless `extra` says otherwise)
+    /// and wait until healthy.
     pub async fn start(config: &Path, extra: &[&str]) -> Turnstile {
+        let mut args = vec!["--config", config.to_str().expect("UTF-8 path")];
+        args.extend_from_slice(extra);
+        Turnstile::start_with(&args, &[]).await
+    }
+
+    /// Start with exactly these `serve` arguments (plus listen addresses) and environment.
+    pub async fn start_with(args: &[&str], env: &[(&str, &str)]) -> Turnstile {
         let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let mut t = Turnstile {
-            child: spawn(config, grpc, http, extra),
+            child: spawn(grpc, http, &args, &env),
             grpc,
             http,
-            args: extra.iter().map(|s| s.to_string()).collect(),
-            config: config.to_owned(),
+            args,
+            env,
         };
         t.wait_healthy().await;
         t
@@ -91,8 +104,7 @@ impl Turnstile {
     /// SIGKILL and start again on the same ports, with the same arguments.
     pub async fn kill_and_restart(&mut self) {
         self.kill();
-        let extra: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        self.child = spawn(&self.config, self.grpc, self.http, &extra);
+        self.child = spawn(self.grpc, self.http, &self.args, &self.env);
         self.wait_healthy().await;
     }
 
@@ -158,17 +170,16 @@ impl Drop for Turnstile {
     }
 }
 
-fn spawn(config: &Path, grpc: SocketAddr, http: SocketAddr, extra: &[&str]) -> Child {
+fn spawn(grpc: SocketAddr, http: SocketAddr, args: &[String], env: &[(String, String)]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
         .arg("serve")
-        .arg("--config")
-        .arg(config)
         .arg("--grpc-addr")
         .arg(grpc.to_string())
         .arg("--http-addr")
         .arg(http.to_string())
-        .args(extra)
+        .args(args)
         .env("LOG_LEVEL", "warn")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn turnstile")
