@@ -1,4 +1,5 @@
-//! The admin HTTP port: `/healthcheck`, `/json`, `/rlconfig` and `/metrics`.
+//! The admin HTTP port: `/healthcheck`, `/json`, `/rlconfig` and `/metrics`; and, as the
+//! reference has them, a debug port (`/rlconfig`) and a Prometheus port of their own.
 //!
 //! Status codes follow the reference: `/healthcheck` 200 `OK` or 500; `/json` 200 for OK,
 //! 429 for OVER_LIMIT, 400 with the message for a bad body or a failed call.
@@ -33,6 +34,21 @@ pub fn router<B: Backend>(admin: Arc<Admin<B>>) -> Router {
         .route("/json", post(check_json::<B>))
         .route("/rlconfig", get(rlconfig::<B>))
         .route("/metrics", get(metrics::<B>))
+        .with_state(admin)
+}
+
+/// The reference's debug port: an index and `/rlconfig`.
+pub fn debug_router<B: Backend>(admin: Arc<Admin<B>>) -> Router {
+    Router::new()
+        .route("/", get(|| async { "/rlconfig: the rules in force\n" }))
+        .route("/rlconfig", get(rlconfig::<B>))
+        .with_state(admin)
+}
+
+/// Prometheus on a port of its own, at `path` (USE_PROMETHEUS).
+pub fn metrics_router<B: Backend>(admin: Arc<Admin<B>>, path: &str) -> Router {
+    Router::new()
+        .route(path, get(metrics::<B>))
         .with_state(admin)
 }
 

@@ -135,6 +135,27 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub rules: RulesArgs,
 
+    /// Debug listen host (serves /rlconfig, as the reference's debug port).
+    #[arg(long, env = "DEBUG_HOST", default_value = "0.0.0.0")]
+    pub debug_host: IpAddr,
+    /// Debug listen port; 0 picks a free one.
+    #[arg(long, env = "DEBUG_PORT", default_value_t = 6070)]
+    pub debug_port: u16,
+    /// Debug listen address; overrides --debug-host and --debug-port.
+    #[arg(long, env = "TURNSTILE_DEBUG_ADDR")]
+    pub debug_addr: Option<SocketAddr>,
+    /// Do not open the debug port.
+    #[arg(long, env = "TURNSTILE_NO_DEBUG_PORT")]
+    pub no_debug_port: bool,
+    /// Also serve Prometheus metrics on a port of their own (PROMETHEUS_ADDR).
+    #[arg(long, env = "USE_PROMETHEUS")]
+    pub use_prometheus: bool,
+    /// Prometheus listen address, in the reference's form (":9090" is every interface).
+    #[arg(long, env = "PROMETHEUS_ADDR", default_value = ":9090")]
+    pub prometheus_addr: String,
+    #[arg(long, env = "PROMETHEUS_PATH", default_value = "/metrics")]
+    pub prometheus_path: String,
+
     /// Poll the rules at this period instead of watching them with inotify (for file
     /// systems without change events). Either way, SIGHUP forces a reload.
     #[arg(long, env = "TURNSTILE_CONFIG_POLL_INTERVAL", value_parser = duration)]
@@ -303,6 +324,9 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES)]
     pub max_series: usize,
 
+    /// Report not-serving while the rules define no domain.
+    #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]
+    pub healthy_with_at_least_one_config_loaded: bool,
     /// How long a shutdown waits for in-flight calls and open connections.
     #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE", value_parser = duration, default_value = "10s")]
     pub shutdown_grace: Duration,
@@ -324,6 +348,23 @@ impl ServeArgs {
     pub fn grpc_addr(&self) -> SocketAddr {
         self.grpc_addr
             .unwrap_or(SocketAddr::new(self.grpc_host, self.grpc_port))
+    }
+
+    pub fn debug_addr(&self) -> Option<SocketAddr> {
+        (!self.no_debug_port).then(|| {
+            self.debug_addr
+                .unwrap_or(SocketAddr::new(self.debug_host, self.debug_port))
+        })
+    }
+
+    /// PROMETHEUS_ADDR as Go writes it: `host:port`, or `:port` for every interface.
+    pub fn prometheus_addr(&self) -> anyhow::Result<SocketAddr> {
+        let addr = match self.prometheus_addr.strip_prefix(':') {
+            Some(port) => format!("0.0.0.0:{port}"),
+            None => self.prometheus_addr.clone(),
+        };
+        addr.parse()
+            .map_err(|e| anyhow::anyhow!("PROMETHEUS_ADDR '{}': {e}", self.prometheus_addr))
     }
 
     pub fn http_addr(&self) -> SocketAddr {

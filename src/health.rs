@@ -1,16 +1,21 @@
 //! Whether this instance should get traffic, reported on gRPC health (services "", the
 //! reference's "ratelimit", and the RLS's full name) and on HTTP `/healthcheck`.
 //!
-//! Serving means: rules are loaded (always true once started), the backend answered its
-//! last probe, and no shutdown has begun. Flipping to not-serving on SIGTERM lets load
-//! balancers drain the instance before it stops.
+//! Serving means: no shutdown has begun (flipping to not-serving on SIGTERM lets load
+//! balancers drain the instance before it stops); the backend answered its last probe, when
+//! the failure policy is `error` (with any other policy the instance still answers as
+//! configured while the backend is away, so taking it out of rotation would defeat the
+//! policy); and, with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED, the rules define a domain.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::active::ActiveRules;
 use crate::backend::Backend;
 
 const SERVICES: [&str; 3] = [
@@ -19,27 +24,48 @@ const SERVICES: [&str; 3] = [
     "envoy.service.ratelimit.v3.RateLimitService",
 ];
 
+/// What health depends on besides shutdown.
+pub struct Requirements {
+    /// The backend must answer (the failure policy is `error`).
+    pub backend: bool,
+    /// The rules in force must define at least one domain.
+    pub rules: Option<Arc<ActiveRules>>,
+}
+
 pub struct Health {
     reporter: HealthReporter,
+    requirements: Requirements,
     backend_ok: AtomicBool,
     stopping: AtomicBool,
+    published: AtomicBool,
 }
 
 impl Health {
-    pub fn new(reporter: HealthReporter) -> Health {
+    pub fn new(reporter: HealthReporter, requirements: Requirements) -> Health {
         Health {
             reporter,
+            requirements,
             backend_ok: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            published: AtomicBool::new(false),
         }
     }
 
     pub fn serving(&self) -> bool {
-        self.backend_ok.load(Ordering::Relaxed) && !self.stopping.load(Ordering::Relaxed)
+        let rules_ok = self
+            .requirements
+            .rules
+            .as_ref()
+            .is_none_or(|rules| rules.current().rules.domains().next().is_some());
+        (self.backend_ok.load(Ordering::Relaxed) || !self.requirements.backend)
+            && rules_ok
+            && !self.stopping.load(Ordering::Relaxed)
     }
 
     async fn publish(&self) {
-        let status = if self.serving() {
+        let serving = self.serving();
+        self.published.store(serving, Ordering::Relaxed);
+        let status = if serving {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing
@@ -52,10 +78,12 @@ impl Health {
     pub async fn set_backend_ok(&self, ok: bool) {
         if self.backend_ok.swap(ok, Ordering::Relaxed) != ok {
             if ok {
-                tracing::info!("backend answers: serving");
+                tracing::info!("backend answers");
             } else {
-                tracing::warn!("backend does not answer: not serving");
+                tracing::warn!("backend does not answer");
             }
+        }
+        if self.serving() != self.published.load(Ordering::Relaxed) {
             self.publish().await;
         }
     }
@@ -65,7 +93,7 @@ impl Health {
         self.publish().await;
     }
 
-    /// Probe the backend every `period`, forever.
+    /// Probe the backend (and re-evaluate the rules' part) every `period`, forever.
     pub async fn watch_backend<B: Backend>(&self, backend: &B, period: Duration) {
         self.publish().await;
         let mut tick = tokio::time::interval(period);

@@ -24,7 +24,7 @@ use crate::backend::{Backend, Charging};
 use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
 use crate::config::RuleSet;
 use crate::fallback::{FailurePolicy, Fallback};
-use crate::health::Health;
+use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
@@ -178,7 +178,13 @@ async fn run<B: Backend>(
         metrics.clone(),
     ));
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    let health = Arc::new(Health::new(reporter));
+    let requirements = Requirements {
+        backend: args.on_backend_error == PolicyArg::Error,
+        rules: args
+            .healthy_with_at_least_one_config_loaded
+            .then(|| rules.clone()),
+    };
+    let health = Arc::new(Health::new(reporter, requirements));
     let probe = tokio::spawn({
         let (health, limiter) = (health.clone(), limiter.clone());
         async move {
@@ -224,16 +230,36 @@ async fn run<B: Backend>(
             TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             until_stopped(stopped.clone()),
         );
-    let http = axum::serve(
-        http_listener,
-        admin::router(Arc::new(Admin {
-            limiter,
-            rules,
-            health: health.clone(),
-            metrics,
-        })),
-    )
-    .with_graceful_shutdown(until_stopped(stopped));
+    let admin = Arc::new(Admin {
+        limiter,
+        rules,
+        health: health.clone(),
+        metrics,
+    });
+    // The main admin port, then the reference's optional ones: debug (/rlconfig) and a
+    // Prometheus port of its own.
+    let mut routers = vec![(http_listener, admin::router(admin.clone()))];
+    if let Some(addr) = args.debug_addr() {
+        match TcpListener::bind(addr).await {
+            Ok(listener) => routers.push((listener, admin::debug_router(admin.clone()))),
+            Err(error) => tracing::warn!(%addr, %error, "debug port not opened"),
+        }
+    }
+    if args.use_prometheus {
+        let addr = args.prometheus_addr()?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen for Prometheus on {addr}"))?;
+        routers.push((
+            listener,
+            admin::metrics_router(admin, &args.prometheus_path),
+        ));
+    }
+    let http = futures_util::future::try_join_all(routers.into_iter().map(|(listener, router)| {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(until_stopped(stopped.clone()))
+            .into_future()
+    }));
 
     let signals = async {
         shutdown_signal().await;

@@ -636,3 +636,48 @@ async fn every_answer_names_the_deciding_rule_in_status_and_metadata() {
     };
     assert_eq!(list.values.len(), 2);
 }
+
+#[tokio::test]
+async fn the_reference_debug_and_prometheus_ports_serve_rules_and_metrics() {
+    use support::turnstile::free_port;
+    let rules = Rules::new(RULES);
+    let debug = format!("127.0.0.1:{}", free_port());
+    let prometheus = format!("127.0.0.1:{}", free_port());
+    let t = Turnstile::start_with(
+        &[
+            "--config",
+            rules.path().to_str().unwrap(),
+            "--debug-addr",
+            &debug,
+            "--use-prometheus",
+            "--prometheus-path",
+            "/prom",
+        ],
+        &[("PROMETHEUS_ADDR", prometheus.as_str())],
+    )
+    .await;
+    t.call(request("test", vec![descriptor(&[("wide", "p")])]))
+        .await
+        .unwrap();
+    let get = |addr: &str, path: &str| {
+        let addr = addr.parse().unwrap();
+        let path = path.to_owned();
+        async move {
+            support::turnstile::http(addr, "GET", &path, "")
+                .await
+                .unwrap()
+        }
+    };
+    let (status, rlconfig) = get(&debug, "/rlconfig").await;
+    assert_eq!(status, 200);
+    assert!(
+        rlconfig.contains("test.wide: unit=HOUR requests_per_unit=10"),
+        "{rlconfig}"
+    );
+    let (status, metrics) = get(&prometheus, "/prom").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("ratelimit_service_rate_limit_total_hits{domain=\"test\",key=\"wide\"} 1"),
+        "{metrics}"
+    );
+}

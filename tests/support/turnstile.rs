@@ -171,12 +171,19 @@ impl Drop for Turnstile {
 }
 
 fn spawn(grpc: SocketAddr, http: SocketAddr, args: &[String], env: &[(String, String)]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_turnstile"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+    command
         .arg("serve")
         .arg("--grpc-addr")
         .arg(grpc.to_string())
         .arg("--http-addr")
-        .arg(http.to_string())
+        .arg(http.to_string());
+    // The debug port defaults to 6070 on every interface: tests keep it on loopback, on a
+    // port of its own.
+    if !args.iter().any(|a| a == "--debug-addr") {
+        command.args(["--debug-addr", "127.0.0.1:0"]);
+    }
+    command
         .args(args)
         .env("LOG_LEVEL", "warn")
         .envs(env.iter().map(|(k, v)| (k, v)))
@@ -195,7 +202,7 @@ pub fn signal(pid: u32, name: &str) {
 }
 
 /// A minimal HTTP/1.1 exchange (one request per connection), enough for admin endpoints.
-async fn http(
+pub async fn http(
     addr: SocketAddr,
     method: &str,
     path: &str,
