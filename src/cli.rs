@@ -203,20 +203,15 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
 
-    /// Where limit state lives.
-    #[arg(
-        long,
-        env = "BACKEND_TYPE",
-        value_enum,
-        ignore_case = true,
-        default_value = "memory"
-    )]
-    pub backend: BackendKind,
+    /// Where limit state lives. Default: memory, or redis when a Redis URL is given.
+    #[arg(long, env = "BACKEND_TYPE", value_enum, ignore_case = true)]
+    pub backend: Option<BackendKind>,
 
     /// Redis address(es): redis:// or rediss:// URLs or host:port, comma-separated. For
     /// Sentinel the first item is the master's name, then the sentinels (as the reference).
-    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
-    pub redis_url: String,
+    /// Default: redis://127.0.0.1:6379.
+    #[arg(long, env = "REDIS_URL")]
+    pub redis_url: Option<String>,
     #[arg(
         long,
         env = "REDIS_TYPE",
@@ -242,6 +237,12 @@ pub struct ServeArgs {
     /// 256 bytes; 0 disables it).
     #[arg(long, env = "LOCAL_CACHE_SIZE_IN_BYTES")]
     pub local_cache_size_in_bytes: Option<usize>,
+    /// Redis credentials, `password` or `user:password`, for URLs that carry none.
+    #[arg(long, env = "REDIS_AUTH", hide_env_values = true)]
+    pub redis_auth: Option<String>,
+    /// Connect with TLS to bare `host:port` Redis addresses.
+    #[arg(long, env = "REDIS_TLS")]
+    pub redis_tls: bool,
     /// PEM CA to trust for rediss:// URLs instead of the system's roots.
     #[arg(long, env = "REDIS_TLS_CACERT")]
     pub redis_tls_cacert: Option<PathBuf>,
@@ -301,6 +302,10 @@ pub struct ServeArgs {
     /// Attach dynamic_metadata naming the deciding rule, its algorithm and the outcome.
     #[arg(long, env = "TURNSTILE_RESPONSE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub response_metadata: bool,
+    /// Every limit is soft (the reference's QUOTA_MODE): a request is refused only when all
+    /// of its limits are over.
+    #[arg(long, env = "QUOTA_MODE")]
+    pub quota_mode: bool,
     /// Answer OK even when over a limit (statuses still say OVER_LIMIT).
     #[arg(long, env = "SHADOW_MODE")]
     pub shadow_mode: bool,

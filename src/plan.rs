@@ -97,6 +97,24 @@ impl<'a> Plan<'a> {
         plan
     }
 
+    /// Global quota mode (the reference's QUOTA_MODE): every enforced limit becomes a soft
+    /// one, so the request is refused only when all of them are over.
+    pub fn into_quota_mode(mut self) -> Plan<'a> {
+        for hit in &mut self.hits {
+            if hit.role == Role::Enforce {
+                hit.role = Role::Quota;
+            }
+        }
+        for decision in &mut self.decisions {
+            if let Decision::Limited(applied) = decision
+                && applied.role == Role::Enforce
+            {
+                applied.role = Role::Quota;
+            }
+        }
+        self
+    }
+
     fn decide(
         &mut self,
         domain: &'a DomainRules,

@@ -32,6 +32,7 @@ use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
 
+const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
 const MEMORY_SWEEP_PERIOD: Duration = Duration::from_secs(1);
 
@@ -60,6 +61,7 @@ fn settings(args: &ServeArgs) -> Settings {
             metadata: args.response_metadata,
             global_shadow: args.shadow_mode,
         },
+        quota_mode: args.quota_mode,
         on_backend_error: match args.on_backend_error {
             PolicyArg::Error => FailurePolicy::Error,
             PolicyArg::Allow => FailurePolicy::Allow,
@@ -75,6 +77,8 @@ fn settings(args: &ServeArgs) -> Settings {
 fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
     let mut urls: Vec<String> = args
         .redis_url
+        .as_deref()
+        .unwrap_or(DEFAULT_REDIS_URL)
         .split(',')
         .map(|u| u.trim().to_owned())
         .filter(|u| !u.is_empty())
@@ -100,6 +104,8 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
         key_prefix: args.cache_key_prefix.clone(),
+        auth: args.redis_auth.clone().filter(|a| !a.is_empty()),
+        tls_by_default: args.redis_tls,
         tls: RedisTls {
             ca: args.redis_tls_cacert.as_ref().map(read).transpose()?,
             client: match (&args.redis_tls_client_cert, &args.redis_tls_client_key) {
@@ -130,7 +136,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         domains = rules.domains().count(),
         "rules loaded"
     );
-    match args.backend {
+    // The reference's default backend is Redis: a deployment that names a Redis and no
+    // backend keeps using Redis.
+    let backend = args.backend.unwrap_or(if args.redis_url.is_some() {
+        BackendKind::Redis
+    } else {
+        BackendKind::Memory
+    });
+    match backend {
         BackendKind::Memory => {
             let backend = MemoryBackend::new(args.memory_max_keys);
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);

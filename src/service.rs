@@ -26,6 +26,8 @@ pub struct Settings {
     pub response: ResponseSettings,
     /// What to answer when the backend fails, unless a domain's rules say otherwise.
     pub on_backend_error: FailurePolicy,
+    /// Every limit is a soft (quota-mode) limit.
+    pub quota_mode: bool,
 }
 
 pub struct RateLimiter<B> {
@@ -65,7 +67,10 @@ impl<B: Backend> RateLimiter<B> {
             Status::invalid_argument(invalid.0)
         })?;
         let loaded = self.rules.current();
-        let plan = Plan::build(&loaded.rules, &request);
+        let mut plan = Plan::build(&loaded.rules, &request);
+        if self.settings.quota_mode {
+            plan = plan.into_quota_mode();
+        }
         if plan.unknown_domain {
             self.metrics.domain_not_found(request.domain);
         }

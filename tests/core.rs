@@ -681,3 +681,32 @@ async fn the_reference_debug_and_prometheus_ports_serve_rules_and_metrics() {
         "{metrics}"
     );
 }
+
+#[tokio::test]
+async fn global_quota_mode_refuses_only_when_every_limit_is_over() {
+    let rules = Rules::new(RULES);
+    let t = Turnstile::start_with(
+        &["--config", rules.path().to_str().unwrap()],
+        &[("QUOTA_MODE", "true")],
+    )
+    .await;
+    let both = || {
+        request(
+            "test",
+            vec![descriptor(&[("narrow", "q")]), descriptor(&[("wide", "q")])],
+        )
+    };
+    t.call(both()).await.unwrap();
+    let second = t.call(both()).await.unwrap();
+    assert_eq!(
+        codes(&second),
+        [Code::OverLimit, Code::Ok],
+        "statuses keep their own codes"
+    );
+    assert_eq!(code(&second), Code::Ok, "not every quota limit is over");
+    let alone = t
+        .call(request("test", vec![descriptor(&[("narrow", "q")])]))
+        .await
+        .unwrap();
+    assert_eq!(code(&alone), Code::OverLimit, "its only limit is over");
+}

@@ -1047,3 +1047,55 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
         "a private CA is not trusted by default"
     );
 }
+
+// ---- the reference's variables -------------------------------------------------------------
+
+#[tokio::test]
+async fn redis_auth_applies_to_urls_without_credentials() {
+    let server = RedisServer::start_with("requirepass s3cret\nuser alice on >pw ~* +@all\n");
+    let bare = server.addr();
+    let with_auth = |auth: &str| RedisConfig {
+        auth: Some(auth.into()),
+        ..config(vec![bare.clone()], RedisMode::Single, "")
+    };
+    let h = hit("auth", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1);
+    let backend = RedisBackend::connect(&with_auth("s3cret"))
+        .await
+        .expect("password");
+    assert!(one(&backend, &h).await.admitted);
+    let backend = RedisBackend::connect(&with_auth("alice:pw"))
+        .await
+        .expect("user:password");
+    assert!(one(&backend, &h).await.admitted);
+    assert!(RedisBackend::connect(&with_auth("wrong")).await.is_err());
+    assert!(
+        RedisBackend::connect(&config(vec![bare.clone()], RedisMode::Single, ""))
+            .await
+            .is_err(),
+        "no credentials, no access"
+    );
+}
+
+#[tokio::test]
+async fn a_redis_url_without_a_backend_type_means_the_redis_backend() {
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let url = server.url();
+    let t = Turnstile::start_with(
+        &["--config", rules.path().to_str().unwrap()],
+        &[
+            ("REDIS_URL", url.as_str()),
+            ("TURNSTILE_REDIS_TIMEOUT", "2s"),
+        ],
+    )
+    .await;
+    let answer = t
+        .call(request("d", vec![descriptor(&[("k", "v")])]))
+        .await
+        .unwrap();
+    assert_eq!(answer.statuses[0].limit_remaining, 4);
+    assert!(!server.keys("*").is_empty(), "the count lives in Redis");
+}

@@ -51,7 +51,7 @@ impl Pool {
         let infos = config
             .urls
             .iter()
-            .map(|url| parse(url))
+            .map(|url| resolve(url, config))
             .collect::<Result<Vec<_>, _>>()?;
         let connections = config.connections.max(1);
         let bounded = tokio::time::timeout(config.connect_timeout, async {
@@ -191,6 +191,31 @@ pub(super) fn client(info: ConnectionInfo, tls: &RedisTls) -> RedisResult<Client
         Some(certs) => Client::build_with_tls(info, certs),
         None => Client::open(info),
     }
+}
+
+/// A URL with the defaults the reference's variables set: TLS for bare addresses, and
+/// credentials where the URL has none.
+fn resolve(url: &str, config: &RedisConfig) -> Result<ConnectionInfo, BackendError> {
+    let info = if config.tls_by_default && !url.contains("://") {
+        parse(&format!("rediss://{url}"))?
+    } else {
+        parse(url)?
+    };
+    let Some(auth) = &config.auth else {
+        return Ok(info);
+    };
+    if info.redis_settings().password().is_some() {
+        return Ok(info);
+    }
+    let settings = match auth.split_once(':') {
+        Some((user, password)) => info
+            .redis_settings()
+            .clone()
+            .set_username(user)
+            .set_password(password),
+        None => info.redis_settings().clone().set_password(auth),
+    };
+    Ok(info.set_redis_settings(settings))
 }
 
 pub(super) fn parse(url: &str) -> Result<ConnectionInfo, BackendError> {

@@ -56,6 +56,10 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Certificates for `rediss://` URLs beyond the system's roots (single and Cluster).
     pub tls: RedisTls,
+    /// Credentials for URLs that carry none: `password` or `user:password` (REDIS_AUTH).
+    pub auth: Option<String>,
+    /// Bare `host:port` addresses use TLS (REDIS_TLS).
+    pub tls_by_default: bool,
 }
 
 /// PEM certificates for TLS to Redis.
@@ -77,6 +81,8 @@ impl Default for RedisConfig {
             call_timeout: Duration::from_millis(25),
             key_prefix: String::new(),
             tls: RedisTls::default(),
+            auth: None,
+            tls_by_default: false,
         }
     }
 }
@@ -94,6 +100,8 @@ impl fmt::Debug for RedisConfig {
             .field("key_prefix", &self.key_prefix)
             .field("tls_ca", &self.tls.ca.is_some())
             .field("tls_client", &self.tls.client.is_some())
+            .field("auth", &self.auth.as_ref().map(|_| "***"))
+            .field("tls_by_default", &self.tls_by_default)
             .finish()
     }
 }
