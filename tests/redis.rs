@@ -1099,3 +1099,19 @@ async fn a_redis_url_without_a_backend_type_means_the_redis_backend() {
     assert_eq!(answer.statuses[0].limit_remaining, 4);
     assert!(!server.keys("*").is_empty(), "the count lives in Redis");
 }
+
+#[tokio::test]
+async fn a_unix_socket_url_reaches_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("redis.sock");
+    let _server = RedisServer::start_with(&format!(
+        "unixsocket {}\nunixsocketperm 700\n",
+        socket.display()
+    ));
+    let url = format!("redis+unix://{}", socket.display());
+    let backend = RedisBackend::connect(&config(vec![url], RedisMode::Single, ""))
+        .await
+        .expect("connect over the socket");
+    let h = hit("sock", limit(Algorithm::SlidingWindow, 2, Unit::Minute), 1);
+    assert_eq!(one(&backend, &h).await.remaining, 1);
+}
