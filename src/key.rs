@@ -1,15 +1,16 @@
 //! The identity of one limit's state: which counter, log or bucket a hit lands on.
 //!
 //! Built from the request (domain and the descriptor's entries, as the reference builds its
-//! cache keys), plus what makes two limits different state: a request-supplied override and
-//! the algorithm. The requests-per-unit figure is deliberately left out, so a reload that
-//! only changes the number keeps the count. Separators are percent-encoded where they occur
+//! cache keys), plus what makes two limits different state: a request-supplied override, the
+//! algorithm and the window (so several limits on one descriptor never share state). The
+//! requests-per-unit figure is deliberately left out, so a reload that only changes the
+//! number keeps the count. Separators are percent-encoded where they occur
 //! in user data, so `a_b=c` and `a=b_c` can never share a counter (a reference quirk), and
 //! so no brace can cut a Redis Cluster hash tag short.
 
 use std::fmt::Write;
 
-use crate::limit::{Algorithm, Unit};
+use crate::limit::{Limit, Unit};
 
 /// Append `text` with the key's separators (and braces) percent-encoded.
 fn push_escaped(out: &mut String, text: &str) {
@@ -25,12 +26,12 @@ fn push_escaped(out: &mut String, text: &str) {
     }
 }
 
-/// `<domain>|<key>=<value>|...[|@<override unit>]|<algorithm>`.
+/// `<domain>|<key>=<value>|...[|@<override unit>]|<algorithm>:<window seconds>`.
 pub fn limit_key<'a>(
     domain: &str,
     entries: impl IntoIterator<Item = (&'a str, &'a str)>,
     override_unit: Option<Unit>,
-    algorithm: Algorithm,
+    limit: &Limit,
 ) -> String {
     let mut key = String::with_capacity(64);
     push_escaped(&mut key, domain);
@@ -43,35 +44,67 @@ pub fn limit_key<'a>(
     if let Some(unit) = override_unit {
         let _ = write!(key, "|@{}", unit.name());
     }
-    key.push('|');
-    key.push_str(algorithm.name());
+    let _ = write!(key, "|{}:{}", limit.algorithm.name(), limit.window);
     key
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limit::Algorithm;
 
-    #[test]
-    fn separators_in_data_cannot_collide_or_open_a_hash_tag() {
-        let a = limit_key("d", [("a_b", "c")], None, Algorithm::FixedWindow);
-        let b = limit_key("d", [("a", "b_c")], None, Algorithm::FixedWindow);
-        assert_ne!(a, b);
-        let c = limit_key("d", [("a", "b|x=y")], None, Algorithm::FixedWindow);
-        let d = limit_key("d", [("a", "b"), ("x", "y")], None, Algorithm::FixedWindow);
-        assert_ne!(c, d);
-        let braces = limit_key("d{", [("}", "%")], None, Algorithm::TokenBucket);
-        assert_eq!(braces, "d%7B|%7D=%25|token_bucket");
+    fn with(algorithm: Algorithm, unit: Unit) -> Limit {
+        Limit {
+            algorithm,
+            ..Limit::fixed(10, unit)
+        }
     }
 
     #[test]
-    fn overrides_and_algorithms_are_separate_state() {
+    fn separators_in_data_cannot_collide_or_open_a_hash_tag() {
+        let l = with(Algorithm::FixedWindow, Unit::Minute);
+        let a = limit_key("d", [("a_b", "c")], None, &l);
+        let b = limit_key("d", [("a", "b_c")], None, &l);
+        assert_ne!(a, b);
+        let c = limit_key("d", [("a", "b|x=y")], None, &l);
+        let d = limit_key("d", [("a", "b"), ("x", "y")], None, &l);
+        assert_ne!(c, d);
+        let braces = limit_key(
+            "d{",
+            [("}", "%")],
+            None,
+            &with(Algorithm::TokenBucket, Unit::Second),
+        );
+        assert_eq!(braces, "d%7B|%7D=%25|token_bucket:1");
+    }
+
+    #[test]
+    fn overrides_algorithms_and_windows_are_separate_state_but_numbers_are_not() {
         let entries = [("user", "alice")];
-        let plain = limit_key("d", entries, None, Algorithm::FixedWindow);
-        let overridden = limit_key("d", entries, Some(Unit::Minute), Algorithm::FixedWindow);
-        let bucket = limit_key("d", entries, None, Algorithm::TokenBucket);
-        assert_eq!(plain, "d|user=alice|fixed_window");
-        assert_eq!(overridden, "d|user=alice|@MINUTE|fixed_window");
-        assert_ne!(plain, bucket);
+        let minute = with(Algorithm::FixedWindow, Unit::Minute);
+        let plain = limit_key("d", entries, None, &minute);
+        assert_eq!(plain, "d|user=alice|fixed_window:60");
+        let overridden = limit_key("d", entries, Some(Unit::Minute), &minute);
+        assert_eq!(overridden, "d|user=alice|@MINUTE|fixed_window:60");
+        assert_ne!(
+            plain,
+            limit_key(
+                "d",
+                entries,
+                None,
+                &with(Algorithm::TokenBucket, Unit::Minute)
+            )
+        );
+        assert_ne!(
+            plain,
+            limit_key(
+                "d",
+                entries,
+                None,
+                &with(Algorithm::FixedWindow, Unit::Hour)
+            )
+        );
+        let raised = Limit::fixed(99, Unit::Minute);
+        assert_eq!(plain, limit_key("d", entries, None, &raised));
     }
 }

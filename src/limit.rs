@@ -5,7 +5,6 @@
 //! see them), so neither side depends on the other.
 
 use std::fmt;
-use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
 
@@ -149,6 +148,9 @@ pub struct Limit {
     /// Requests a token bucket admits back to back; equal to `requests_per_unit` unless the
     /// rule says otherwise. Unused by the window algorithms.
     pub burst: u32,
+    /// The span `requests_per_unit` applies to, in seconds: the unit's length, unless the
+    /// rule sets a custom `window` (then `unit` is only what answers report).
+    pub window: u64,
 }
 
 impl Limit {
@@ -159,11 +161,8 @@ impl Limit {
             unit,
             algorithm: Algorithm::FixedWindow,
             burst: requests_per_unit,
+            window: unit.seconds(),
         }
-    }
-
-    pub fn window(&self) -> Duration {
-        Duration::from_secs(self.unit.seconds())
     }
 }
 

@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 
-use crate::backend::{Hit, Role};
+use crate::backend::{Hit, Outcome, Role};
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::fallback::FailurePolicy;
 use crate::key::limit_key;
@@ -23,12 +23,35 @@ pub struct Applied<'a> {
     pub name: &'a str,
     /// The stats key its counters are filed under.
     pub stats_key: Cow<'a, str>,
-    pub limit: Limit,
     pub role: Role,
     /// Index of its hit in `Plan::hits`.
     pub hit: usize,
+    /// Hits of the rule's further limits (a `rate_limit` list), all enforced with `hit`.
+    pub also: Vec<usize>,
     /// This descriptor's own cost (a shared hit carries the sum).
     pub cost: u64,
+}
+
+impl Applied<'_> {
+    /// Every hit of this descriptor.
+    pub fn hits(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.hit).chain(self.also.iter().copied())
+    }
+
+    /// The hit that speaks for the descriptor: of its refused limits the one that refuses
+    /// longest (when the request could pass), else the one with the fewest left.
+    pub fn decisive(&self, outcomes: &[Outcome]) -> usize {
+        self.hits()
+            .max_by_key(|&i| {
+                let o = &outcomes[i];
+                (
+                    !o.admitted,
+                    o.admitted.then(|| u32::MAX - o.remaining),
+                    o.reset_after,
+                )
+            })
+            .unwrap_or(self.hit)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -97,6 +120,16 @@ impl<'a> Plan<'a> {
         plan
     }
 
+    /// The limit and outcome that speak for a limited descriptor (see `Applied::decisive`).
+    pub fn decisive<'o>(
+        &self,
+        applied: &Applied<'_>,
+        outcomes: &'o [Outcome],
+    ) -> (&Limit, &'o Outcome) {
+        let i = applied.decisive(outcomes);
+        (&self.hits[i].limit, &outcomes[i])
+    }
+
     /// Global quota mode (the reference's QUOTA_MODE): every enforced limit becomes a soft
     /// one, so the request is refused only when all of them are over.
     pub fn into_quota_mode(mut self) -> Plan<'a> {
@@ -122,11 +155,11 @@ impl<'a> Plan<'a> {
         rule: Option<&'a Rule>,
         replaced: &HashSet<&str>,
     ) -> Decision<'a> {
-        let (limit, applied) = match (descriptor.limit_override, rule) {
+        let (limit, also, applied) = match (descriptor.limit_override, rule) {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor));
-                (limit, ("override", stats_key, Role::Enforce))
+                (limit, &[][..], ("override", stats_key, Role::Enforce))
             }
             (None, None) => return Decision::NoLimit,
             (None, Some(rule)) => {
@@ -149,17 +182,41 @@ impl<'a> Plan<'a> {
                     Role::Enforce
                 };
                 let name = rule.name.as_deref().unwrap_or(&rule.full_key);
-                (limit, (name, stats_key, role))
+                (limit, rule.also.as_slice(), (name, stats_key, role))
             }
         };
         let (name, stats_key, role) = applied;
+        let hit = self.hit(domain, descriptor, limit, role);
+        let also = also
+            .iter()
+            .map(|&limit| self.hit(domain, descriptor, limit, role))
+            .collect();
+        Decision::Limited(Applied {
+            name,
+            stats_key,
+            role,
+            hit,
+            also,
+            cost: descriptor.hits,
+        })
+    }
+
+    /// The index of the hit of `descriptor` on `limit`, shared with an earlier descriptor
+    /// that names the same state.
+    fn hit(
+        &mut self,
+        domain: &DomainRules,
+        descriptor: &Descriptor<'_>,
+        limit: Limit,
+        role: Role,
+    ) -> usize {
         let key = limit_key(
             domain.name(),
             descriptor.entries.iter().copied(),
             descriptor.limit_override.map(|o| o.unit),
-            limit.algorithm,
+            &limit,
         );
-        let hit = match self.hits.iter().position(|h| h.key == key) {
+        match self.hits.iter().position(|h| h.key == key) {
             Some(same) => {
                 self.hits[same].hits = self.hits[same].hits.saturating_add(descriptor.hits);
                 same
@@ -173,14 +230,6 @@ impl<'a> Plan<'a> {
                 });
                 self.hits.len() - 1
             }
-        };
-        Decision::Limited(Applied {
-            name,
-            stats_key,
-            limit,
-            role,
-            hit,
-            cost: descriptor.hits,
-        })
+        }
     }
 }

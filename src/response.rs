@@ -14,6 +14,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, ListValue, Struct, Value};
 
 use crate::backend::{Outcome, Role, request_refused};
+use crate::limit::Limit;
 use crate::plan::{Applied, Decision, Plan};
 
 /// Which rate-limit headers the answer carries for Envoy to add to the client's response.
@@ -69,7 +70,7 @@ fn seconds_up(d: &ProtoDuration) -> i64 {
     d.seconds + i64::from(d.nanos > 0)
 }
 
-fn status(decision: &Decision<'_>, outcomes: &[Outcome]) -> DescriptorStatus {
+fn status(decision: &Decision<'_>, plan: &Plan<'_>, outcomes: &[Outcome]) -> DescriptorStatus {
     match decision {
         Decision::NoLimit => DescriptorStatus {
             code: Code::Ok.into(),
@@ -80,18 +81,21 @@ fn status(decision: &Decision<'_>, outcomes: &[Outcome]) -> DescriptorStatus {
             limit_remaining: u32::MAX,
             ..Default::default()
         },
-        Decision::Limited(applied) => limited_status(applied, &outcomes[applied.hit]),
+        Decision::Limited(applied) => {
+            let (limit, outcome) = plan.decisive(applied, outcomes);
+            limited_status(applied, limit, outcome)
+        }
     }
 }
 
-fn limited_status(applied: &Applied<'_>, outcome: &Outcome) -> DescriptorStatus {
+fn limited_status(applied: &Applied<'_>, limit: &Limit, outcome: &Outcome) -> DescriptorStatus {
     let over = !outcome.admitted && applied.role != Role::Shadow;
     DescriptorStatus {
         code: if over { Code::OverLimit } else { Code::Ok }.into(),
         current_limit: Some(RateLimit {
             name: applied.name.to_owned(),
-            requests_per_unit: applied.limit.requests_per_unit,
-            unit: applied.limit.unit.to_proto().into(),
+            requests_per_unit: limit.requests_per_unit,
+            unit: limit.unit.to_proto().into(),
         }),
         limit_remaining: outcome.remaining,
         duration_until_reset: Some(proto_duration(outcome.reset_after.as_micros() as u64)),
@@ -100,14 +104,22 @@ fn limited_status(applied: &Applied<'_>, outcome: &Outcome) -> DescriptorStatus 
 }
 
 pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings) -> Built {
-    let statuses: Vec<DescriptorStatus> =
-        plan.decisions.iter().map(|d| status(d, outcomes)).collect();
-    let over = request_refused(plan.decisions.iter().filter_map(|d| match d {
-        Decision::Limited(a) => Some((a.role, outcomes[a.hit].admitted)),
-        _ => None,
-    }));
+    let statuses: Vec<DescriptorStatus> = plan
+        .decisions
+        .iter()
+        .map(|d| status(d, plan, outcomes))
+        .collect();
+    let over = request_refused(
+        plan.decisions
+            .iter()
+            .filter_map(|d| match d {
+                Decision::Limited(a) => Some(a),
+                _ => None,
+            })
+            .flat_map(|a| a.hits().map(|i| (a.role, outcomes[i].admitted))),
+    );
     let shadowed_globally = over && settings.global_shadow;
-    let response_headers_to_add = headers(plan, &statuses, &settings.headers);
+    let response_headers_to_add = headers(plan, &statuses, outcomes, &settings.headers);
     let dynamic_metadata = settings
         .metadata
         .then(|| metadata(plan, &statuses, outcomes));
@@ -164,7 +176,12 @@ fn header(key: &str, value: String) -> HeaderValue {
     }
 }
 
-fn headers(plan: &Plan<'_>, statuses: &[DescriptorStatus], style: &Headers) -> Vec<HeaderValue> {
+fn headers(
+    plan: &Plan<'_>,
+    statuses: &[DescriptorStatus],
+    outcomes: &[Outcome],
+    style: &Headers,
+) -> Vec<HeaderValue> {
     if *style == Headers::Off {
         return Vec::new();
     }
@@ -172,7 +189,8 @@ fn headers(plan: &Plan<'_>, statuses: &[DescriptorStatus], style: &Headers) -> V
         return Vec::new();
     };
     let status = &statuses[index];
-    let quota = applied.limit.requests_per_unit;
+    let (limit, _) = plan.decisive(applied, outcomes);
+    let quota = limit.requests_per_unit;
     let remaining = status.limit_remaining;
     let reset = status.duration_until_reset.as_ref().map_or(0, seconds_up);
     match style {
@@ -192,7 +210,7 @@ fn headers(plan: &Plan<'_>, statuses: &[DescriptorStatus], style: &Headers) -> V
             } else {
                 applied.name
             };
-            let window = applied.limit.unit.seconds();
+            let window = limit.window;
             vec![
                 header(
                     "RateLimit-Policy",
@@ -209,7 +227,7 @@ fn outcome_name(decision: &Decision<'_>, outcomes: &[Outcome]) -> &'static str {
     match decision {
         Decision::NoLimit => "no_limit",
         Decision::Unlimited => "unlimited",
-        Decision::Limited(a) if outcomes[a.hit].admitted => "ok",
+        Decision::Limited(a) if outcomes[a.decisive(outcomes)].admitted => "ok",
         Decision::Limited(a) => match a.role {
             Role::Enforce => "over_limit",
             Role::Shadow => "shadow_over_limit",
@@ -238,7 +256,8 @@ fn metadata(plan: &Plan<'_>, statuses: &[DescriptorStatus], outcomes: &[Outcome]
         let mut fields = vec![("outcome", text(outcome_name(decision, outcomes)))];
         if let Decision::Limited(a) = decision {
             fields.push(("rule", text(a.name)));
-            fields.push(("algorithm", text(a.limit.algorithm.name())));
+            let (limit, _) = plan.decisive(a, outcomes);
+            fields.push(("algorithm", text(limit.algorithm.name())));
         }
         fields
     };

@@ -122,11 +122,12 @@ impl<B: Backend> RateLimiter<B> {
         for decision in &plan.decisions {
             if let Decision::Limited(applied) = decision {
                 let counters = self.metrics.rule(&applied.stats_key);
+                let (limit, outcome) = plan.decisive(applied, outcomes);
                 self.metrics.record(
                     &counters,
                     RuleHit {
-                        outcome: &outcomes[applied.hit],
-                        limit: applied.limit.requests_per_unit,
+                        outcome,
+                        limit: limit.requests_per_unit,
                         hits: applied.cost,
                         shadow: applied.role == Role::Shadow,
                     },

@@ -43,6 +43,12 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1, algorithm: token_bucket, burst: 2}
   - key: sliding
     rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window}
+  - key: layered
+    rate_limit:
+      - {name: layered, unit: hour, requests_per_unit: 5}
+      - {unit: minute, requests_per_unit: 2, algorithm: token_bucket}
+  - key: short
+    rate_limit: {window: 2s, requests_per_unit: 1, algorithm: sliding_window}
 "#;
 
 async fn start(extra: &[&str]) -> (Rules, Turnstile) {
@@ -443,7 +449,7 @@ fn check_command_summarises_or_lists_every_error() {
         .unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("domain test: 10 rules"), "{stdout}");
+    assert!(stdout.contains("domain test: 12 rules"), "{stdout}");
 
     let bad = Rules::new(
         "domain: bad\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n  - key: b\n    ratelimit: 3\n",
@@ -709,4 +715,54 @@ async fn global_quota_mode_refuses_only_when_every_limit_is_over() {
         .await
         .unwrap();
     assert_eq!(code(&alone), Code::OverLimit, "its only limit is over");
+}
+
+#[tokio::test]
+async fn several_limits_on_one_descriptor_are_enforced_together_and_the_tightest_reported() {
+    let (_rules, t) = start(&[]).await;
+    let one = || request("test", vec![descriptor(&[("layered", "x")])]);
+    let limit_of = |r: &RateLimitResponse| {
+        let l = r.statuses[0].current_limit.as_ref().unwrap();
+        (l.name.clone(), l.requests_per_unit, l.unit)
+    };
+    let first = t.call(one()).await.unwrap();
+    assert_eq!(
+        remaining(&first),
+        [1],
+        "the per-minute bucket is tighter than 4 of 5 per hour"
+    );
+    assert_eq!(limit_of(&first), ("layered".into(), 2, Unit::Minute as i32));
+    t.call(one()).await.unwrap();
+    let refused = t.call(one()).await.unwrap();
+    assert_eq!(code(&refused), Code::OverLimit);
+    assert_eq!(
+        limit_of(&refused).1,
+        2,
+        "the refusing limit is the one reported"
+    );
+    let retry = reset(&refused.statuses[0]);
+    assert!(
+        retry > Duration::from_secs(29) && retry <= Duration::from_secs(30),
+        "the bucket's next token (one per 30 s): {retry:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_custom_window_limits_over_its_own_span() {
+    let (_rules, t) = start(&[]).await;
+    let one = || request("test", vec![descriptor(&[("short", "x")])]);
+    assert_eq!(code(&t.call(one()).await.unwrap()), Code::Ok);
+    let refused = t.call(one()).await.unwrap();
+    assert_eq!(code(&refused), Code::OverLimit);
+    let retry = reset(&refused.statuses[0]);
+    assert!(
+        retry > Duration::from_millis(1_500) && retry <= Duration::from_secs(2),
+        "{retry:?}"
+    );
+    let limit = refused.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        limit.unit,
+        Unit::Second as i32,
+        "the longest unit within 2 s"
+    );
 }

@@ -51,6 +51,7 @@ fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
         unit,
         algorithm,
         burst: requests_per_unit,
+        window: unit.seconds(),
     }
 }
 

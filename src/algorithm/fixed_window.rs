@@ -19,7 +19,7 @@ pub struct State {
 
 /// Start (seconds since the epoch) of the window that holds `now`.
 pub fn window_start(limit: &Limit, now: Micros) -> u64 {
-    let w = limit.unit.seconds();
+    let w = limit.window;
     now / MICROS_PER_SECOND / w * w
 }
 
@@ -36,7 +36,7 @@ impl Algorithm for FixedWindow {
         };
         let after = count.saturating_add(hits);
         let admitted = after <= u64::from(limit.requests_per_unit);
-        let window_end = (start + limit.unit.seconds()) * MICROS_PER_SECOND;
+        let window_end = (start + limit.window) * MICROS_PER_SECOND;
         Verdict {
             admitted,
             remaining: if admitted {
@@ -60,7 +60,7 @@ impl Algorithm for FixedWindow {
     }
 
     fn expires_at(state: &State, limit: &Limit) -> Micros {
-        (state.window_start + limit.unit.seconds()) * MICROS_PER_SECOND
+        (state.window_start + limit.window) * MICROS_PER_SECOND
     }
 }
 

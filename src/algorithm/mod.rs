@@ -48,7 +48,7 @@ pub trait Algorithm {
 
 /// Length of a limit's window in microseconds.
 pub(crate) fn window_micros(limit: &Limit) -> Micros {
-    limit.unit.seconds() * MICROS_PER_SECOND
+    limit.window * MICROS_PER_SECOND
 }
 
 /// Saturating conversion for `remaining`, which the protocol carries as u32.

@@ -84,6 +84,7 @@ mod tests {
             unit,
             algorithm: Kind::TokenBucket,
             burst,
+            window: unit.seconds(),
         }
     }
 

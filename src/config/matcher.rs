@@ -131,6 +131,8 @@ pub struct Rule {
     pub full_key: String,
     /// `None` when unlimited.
     pub limit: Option<Limit>,
+    /// Further limits on the same descriptor (a `rate_limit` list), all enforced at once.
+    pub also: Vec<Limit>,
     pub shadow_mode: bool,
     pub quota_mode: bool,
     pub detailed_metric: bool,

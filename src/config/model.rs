@@ -8,8 +8,9 @@
 use super::ConfigError;
 use super::yaml::{self, Kind, Node, Pos};
 
-/// The reference's allow-list plus our additive `algorithm`, `burst` and `on_backend_error`.
-const KNOWN_KEYS: [&str; 19] = [
+/// The reference's allow-list plus our additive `algorithm`, `burst`, `window` and
+/// `on_backend_error`.
+const KNOWN_KEYS: [&str; 20] = [
     "domain",
     "key",
     "value",
@@ -29,6 +30,7 @@ const KNOWN_KEYS: [&str; 19] = [
     "algorithm",
     "burst",
     "on_backend_error",
+    "window",
 ];
 
 /// A value with the position it was written at, for fields whose errors are found later.
@@ -56,7 +58,9 @@ pub struct DescriptorSpec {
     pub key: String,
     /// `None` when missing, null or empty: the reference makes no difference.
     pub value: Option<String>,
-    pub rate_limit: Option<RateLimitSpec>,
+    /// The `rate_limit` map, or each map of a `rate_limit` list (our extension: several
+    /// limits on one descriptor, all enforced).
+    pub rate_limits: Vec<RateLimitSpec>,
     pub shadow_mode: bool,
     pub quota_mode: bool,
     pub detailed_metric: bool,
@@ -75,6 +79,8 @@ pub struct RateLimitSpec {
     pub replaces: Vec<Spanned<String>>,
     pub algorithm: Option<Spanned<String>>,
     pub burst: Option<Spanned<u32>>,
+    /// A custom window, e.g. `30s`, `5m`.
+    pub window: Option<Spanned<String>>,
     pub pos: Pos,
 }
 
@@ -220,7 +226,7 @@ impl Reader<'_> {
         let mut spec = DescriptorSpec {
             key: String::new(),
             value: None,
-            rate_limit: None,
+            rate_limits: Vec::new(),
             shadow_mode: false,
             quota_mode: false,
             detailed_metric: false,
@@ -235,7 +241,7 @@ impl Reader<'_> {
             match name {
                 "key" => spec.key = self.string(value, name).unwrap_or_default(),
                 "value" => spec.value = self.string(value, name).filter(|v| !v.is_empty()),
-                "rate_limit" => spec.rate_limit = self.rate_limit(value),
+                "rate_limit" => spec.rate_limits = self.rate_limits(value),
                 "descriptors" => spec.descriptors = self.descriptors(value),
                 "shadow_mode" => spec.shadow_mode = self.boolean(value, name),
                 "quota_mode" => spec.quota_mode = self.boolean(value, name),
@@ -271,12 +277,23 @@ impl Reader<'_> {
         spec
     }
 
+    /// A `rate_limit` map, or a list of them.
+    fn rate_limits(&mut self, node: &Node) -> Vec<RateLimitSpec> {
+        match &node.kind {
+            Kind::Seq(items) => items
+                .iter()
+                .filter_map(|item| self.rate_limit(item))
+                .collect(),
+            _ => self.rate_limit(node).into_iter().collect(),
+        }
+    }
+
     fn rate_limit(&mut self, node: &Node) -> Option<RateLimitSpec> {
         let entries = match &node.kind {
             Kind::Map(entries) => entries,
             Kind::Null => return None,
             _ => {
-                self.invalid(node, "rate_limit", "a map");
+                self.invalid(node, "rate_limit", "a map or a list of maps");
                 return None;
             }
         };
@@ -288,6 +305,7 @@ impl Reader<'_> {
             replaces: Vec::new(),
             algorithm: None,
             burst: None,
+            window: None,
             pos: node.pos,
         };
         for (key, value) in entries {
@@ -302,6 +320,7 @@ impl Reader<'_> {
                 "replaces" => spec.replaces = self.replaces(value),
                 "algorithm" => spec.algorithm = self.spanned_string(value, name),
                 "burst" => spec.burst = self.uint(value, name),
+                "window" => spec.window = self.spanned_string(value, name),
                 _ => {}
             }
         }
@@ -430,7 +449,7 @@ mod tests {
         assert_eq!(d.value.as_deref(), Some("200"));
         assert_eq!(d.pos, Pos { line: 3, column: 5 });
         assert!(d.shadow_mode && d.quota_mode && d.detailed_metric);
-        let rl = d.rate_limit.as_ref().unwrap();
+        let rl = d.rate_limits.first().unwrap();
         assert_eq!(rl.pos, Pos { line: 9, column: 7 });
         assert_eq!(
             rl.unit,
@@ -452,7 +471,7 @@ mod tests {
         assert_eq!(rl.burst.as_ref().unwrap().value, 16);
         assert_eq!(d.descriptors[0].key, "sub");
         assert_eq!(d.descriptors[0].value, None);
-        assert!(d.descriptors[0].rate_limit.is_none());
+        assert!(d.descriptors[0].rate_limits.is_empty());
     }
 
     #[test]
@@ -476,7 +495,7 @@ mod tests {
         assert!(errors.is_empty(), "{errors:?}");
         let spec = spec.unwrap();
         assert_eq!(spec.descriptors[0].key, "k");
-        assert!(spec.descriptors[0].rate_limit.is_none());
+        assert!(spec.descriptors[0].rate_limits.is_empty());
     }
 
     #[test]
@@ -576,7 +595,7 @@ mod tests {
         );
         assert_eq!(
             errors_of("domain: d\ndescriptors:\n  - key: k\n    rate_limit: 5\n"),
-            ["t.yaml:4:17: invalid rate_limit '5' (expected a map)"]
+            ["t.yaml:4:17: invalid rate_limit '5' (expected a map or a list of maps)"]
         );
         assert_eq!(
             errors_of("domain: d\ndescriptors: all\n"),
@@ -597,7 +616,7 @@ mod tests {
         let d = &spec.unwrap().descriptors[0];
         assert_eq!(d.value, None);
         assert!(!d.shadow_mode);
-        let rl = d.rate_limit.as_ref().unwrap();
+        let rl = d.rate_limits.first().unwrap();
         assert_eq!(rl.name, None);
         assert_eq!(rl.requests_per_unit, None);
         assert_eq!(rl.replaces[0].value, "");

@@ -147,8 +147,8 @@ impl Check<'_> {
                     format!("duplicate descriptor composite key '{full_key}'"),
                 );
             }
-            let rule = spec.rate_limit.as_ref().map(|rate_limit| {
-                rules.push(self.rule(spec, rate_limit, full_key.clone()));
+            let rule = spec.rate_limits.split_first().map(|(first, others)| {
+                rules.push(self.rule(spec, first, others, full_key.clone()));
                 rules.len() - 1
             });
             let children = self.level(&full_key, &spec.descriptors, rules);
@@ -156,10 +156,14 @@ impl Check<'_> {
         }
     }
 
+    /// A rule from its `rate_limit`, or from the maps of a `rate_limit` list: the first
+    /// carries the rule's `name` and `replaces`, the `others` are further limits on the same
+    /// descriptor, all enforced.
     fn rule(
         &mut self,
         spec: &DescriptorSpec,
         rate_limit: &RateLimitSpec,
+        others: &[RateLimitSpec],
         full_key: String,
     ) -> Rule {
         let limit = if rate_limit.unlimited {
@@ -168,6 +172,22 @@ impl Check<'_> {
         } else {
             self.limit(rate_limit)
         };
+        let mut also = Vec::with_capacity(others.len());
+        for other in others {
+            if rate_limit.unlimited || other.unlimited {
+                self.error(
+                    other.pos,
+                    "unlimited cannot be combined with other limits".to_owned(),
+                );
+            }
+            if other.name.is_some() || !other.replaces.is_empty() {
+                self.error(
+                    other.pos,
+                    "name and replaces belong on the first limit of a rate_limit list".to_owned(),
+                );
+            }
+            also.extend(self.limit(other));
+        }
         for entry in &rate_limit.replaces {
             if entry.value.is_empty() {
                 self.error(
@@ -185,6 +205,7 @@ impl Check<'_> {
             name: rate_limit.name.clone(),
             full_key,
             limit,
+            also,
             shadow_mode: spec.shadow_mode,
             quota_mode: spec.quota_mode,
             detailed_metric: spec.detailed_metric,
@@ -222,14 +243,38 @@ impl Check<'_> {
     }
 
     fn limit(&mut self, rate_limit: &RateLimitSpec) -> Option<Limit> {
-        let (unit_text, unit_pos) = match &rate_limit.unit {
-            Some(unit) => (unit.value.as_str(), unit.pos),
-            None => ("", rate_limit.pos),
+        let window = rate_limit.window.as_ref().map(|window| {
+            let seconds = parse_window(&window.value);
+            if seconds.is_none() {
+                self.error(
+                    window.pos,
+                    format!(
+                        "invalid window '{}' (expected a duration from 1s to 365d, such as 30s, 5m, 2h or 7d)",
+                        window.value
+                    ),
+                );
+            }
+            seconds
+        });
+        // With a custom window the unit is optional: answers then report the longest unit
+        // that fits in the window.
+        let unit = match (&rate_limit.unit, window) {
+            (None, Some(Some(seconds))) => {
+                Unit::ALL.into_iter().rev().find(|u| u.seconds() <= seconds)
+            }
+            (None, Some(None)) => None,
+            (given, _) => {
+                let (unit_text, unit_pos) = match given {
+                    Some(unit) => (unit.value.as_str(), unit.pos),
+                    None => ("", rate_limit.pos),
+                };
+                let unit = Unit::parse(unit_text);
+                if unit.is_none() {
+                    self.error(unit_pos, format!("invalid rate limit unit '{unit_text}'"));
+                }
+                unit
+            }
         };
-        let unit = Unit::parse(unit_text);
-        if unit.is_none() {
-            self.error(unit_pos, format!("invalid rate limit unit '{unit_text}'"));
-        }
 
         let algorithm = match &rate_limit.algorithm {
             None => Some(Algorithm::default()),
@@ -280,13 +325,33 @@ impl Check<'_> {
             }
         };
 
+        let unit = unit?;
         Some(Limit {
             requests_per_unit,
-            unit: unit?,
+            unit,
             algorithm: algorithm?,
             burst,
+            window: match window {
+                Some(seconds) => seconds?,
+                None => unit.seconds(),
+            },
         })
     }
+}
+
+/// `30s`, `5m`, `2h`, `7d` or plain seconds, from 1 second to 365 days.
+fn parse_window(text: &str) -> Option<u64> {
+    let (number, scale) = match text.char_indices().last()? {
+        (i, 's') => (&text[..i], 1),
+        (i, 'm') => (&text[..i], 60),
+        (i, 'h') => (&text[..i], 3_600),
+        (i, 'd') => (&text[..i], 86_400),
+        _ => (text, 1),
+    };
+    let seconds = number.parse::<u64>().ok()?.checked_mul(scale)?;
+    (1..=Unit::Year.seconds())
+        .contains(&seconds)
+        .then_some(seconds)
 }
 
 #[cfg(test)]
@@ -383,6 +448,42 @@ mod tests {
         assert!(
             errors.ends_with("c.yaml:3:5: duplicate descriptor composite key 'd.key1'"),
             "{errors}"
+        );
+    }
+
+    #[test]
+    fn custom_windows_and_several_limits_on_one_descriptor() {
+        let rules = load_str(
+            "v.yaml",
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      - {name: burst, unit: second, requests_per_unit: 10}\n      - {window: 30s, requests_per_unit: 100, algorithm: sliding_window}\n      - {unit: day, requests_per_unit: 1000, window: 2d}\n",
+        )
+        .unwrap();
+        let rule = rules.domain("d").unwrap().lookup([("k", "x")]).unwrap();
+        assert_eq!(rule.name.as_deref(), Some("burst"));
+        assert_eq!(rule.limit.unwrap().window, 1);
+        let also: Vec<(Unit, u64)> = rule.also.iter().map(|l| (l.unit, l.window)).collect();
+        assert_eq!(also, [(Unit::Second, 30), (Unit::Day, 172_800)]);
+        assert_eq!(parse_window("5m"), Some(300));
+        assert_eq!(parse_window("90"), Some(90));
+        assert_eq!(parse_window("0s"), None);
+        assert_eq!(parse_window("366d"), None);
+        assert_eq!(parse_window("5 minutes"), None);
+        assert_eq!(
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {window: soon, requests_per_unit: 1}\n"
+            ),
+            [
+                "v.yaml:4:26: invalid window 'soon' (expected a duration from 1s to 365d, such as 30s, 5m, 2h or 7d)"
+            ]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      - {unlimited: true}\n      - {unit: second, requests_per_unit: 1, name: x}\n"
+            ),
+            [
+                "v.yaml:6:9: unlimited cannot be combined with other limits",
+                "v.yaml:6:9: name and replaces belong on the first limit of a rate_limit list",
+            ]
         );
     }
 

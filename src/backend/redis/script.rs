@@ -91,7 +91,7 @@ impl Call {
         self.args.extend([
             limit.algorithm.name().into(),
             limit.requests_per_unit.to_string(),
-            limit.unit.seconds().to_string(),
+            limit.window.to_string(),
             limit.burst.to_string(),
             hits.to_string(),
             last,
