@@ -112,6 +112,12 @@ pub enum PolicyArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KeyLayoutArg {
+    Turnstile,
+    Reference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum HeadersArg {
     Off,
     /// RateLimit-Limit / -Remaining / -Reset, as the reference.
@@ -252,6 +258,16 @@ pub struct ServeArgs {
     /// PEM key of the client certificate.
     #[arg(long, env = "REDIS_TLS_CLIENT_KEY", requires = "redis_tls_client_cert")]
     pub redis_tls_client_key: Option<PathBuf>,
+    /// Where fixed-window counters live in Redis: turnstile's keys, or the reference's
+    /// (`<prefix><domain>_<key>_<value>_..._<window start>`) to share counters with running
+    /// reference servers during a switch.
+    #[arg(
+        long,
+        env = "TURNSTILE_KEY_LAYOUT",
+        value_enum,
+        default_value = "turnstile"
+    )]
+    pub key_layout: KeyLayoutArg,
     /// Prefix of every Redis key.
     #[arg(long, env = "CACHE_KEY_PREFIX", default_value = "")]
     pub cache_key_prefix: String,

@@ -19,9 +19,11 @@ use crate::backend::deferred::Deferred;
 use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::overlimit_cache::OverLimitCache;
-use crate::backend::redis::{RedisBackend, RedisConfig, RedisMode, RedisTls};
+use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::{Backend, Charging};
-use crate::cli::{BackendKind, ChargingArg, HeadersArg, PolicyArg, RedisType, ServeArgs};
+use crate::cli::{
+    BackendKind, ChargingArg, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
+};
 use crate::config::RuleSet;
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::{Health, Requirements};
@@ -104,6 +106,10 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
         key_prefix: args.cache_key_prefix.clone(),
+        key_layout: match args.key_layout {
+            KeyLayoutArg::Turnstile => KeyLayout::Turnstile,
+            KeyLayoutArg::Reference => KeyLayout::Reference,
+        },
         auth: args.redis_auth.clone().filter(|a| !a.is_empty()),
         tls_by_default: args.redis_tls,
         tls: RedisTls {

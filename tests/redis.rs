@@ -1116,3 +1116,50 @@ async fn a_unix_socket_url_reaches_redis() {
     let h = hit("sock", limit(Algorithm::SlidingWindow, 2, Unit::Minute), 1);
     assert_eq!(one(&backend, &h).await.remaining, 1);
 }
+
+#[tokio::test]
+async fn the_reference_key_layout_shares_fixed_window_counters_with_the_reference() {
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: rl\ndescriptors:\n  - key: k\n    value: v\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 10}\n",
+    );
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    // What the reference writes after three hits this hour: INCRBY + EXPIRE on
+    // <prefix><domain>_<key>_<value>_..._<window start>.
+    let time: Vec<String> = server.query(&["TIME"]);
+    let hour = time[0].parse::<u64>().unwrap() / 3_600 * 3_600;
+    let key = format!("pre:rl_k_v_user_alice_{hour}");
+    let _: () = server.query(&["SET", &key, "3", "EX", "3600"]);
+
+    let url = server.url();
+    let t = Turnstile::start_with(
+        &[
+            "--config",
+            rules.path().to_str().unwrap(),
+            "--key-layout",
+            "reference",
+        ],
+        &[
+            ("REDIS_URL", url.as_str()),
+            ("CACHE_KEY_PREFIX", "pre:"),
+            ("TURNSTILE_REDIS_TIMEOUT", "2s"),
+        ],
+    )
+    .await;
+    let answer = t
+        .call(request(
+            "rl",
+            vec![descriptor(&[("k", "v"), ("user", "alice")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.statuses[0].limit_remaining, 6,
+        "3 counted by the reference, 1 now"
+    );
+    let count: String = server.query(&["GET", &key]);
+    assert_eq!(count, "4", "turnstile counted on the reference's key");
+    let ttl: i64 = server.query(&["PTTL", &key]);
+    assert!(ttl > 0);
+}

@@ -72,7 +72,7 @@ impl Job {
 
     async fn run(self) -> Result<Vec<Outcome>, BackendError> {
         let calls = self.groups.iter().map(|group| {
-            let mut call = Call::new(Mode::Each, &self.nonce);
+            let mut call = Call::new(Mode::Each, &self.nonce, self.shared.key_layout);
             for &i in group {
                 let (key, hit) = &self.hits[i];
                 call.push(key.clone(), &hit.limit, hit.hits, role_letter(hit.role));
@@ -113,7 +113,7 @@ impl Job {
             .iter()
             .filter(|group| group.iter().any(|&i| charged(i)))
             .map(|group| {
-                let mut call = Call::new(Mode::Refund, &self.nonce);
+                let mut call = Call::new(Mode::Refund, &self.nonce, self.shared.key_layout);
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };

@@ -9,6 +9,7 @@
 
 mod cluster;
 mod connect;
+mod layout;
 mod script;
 mod sentinel;
 
@@ -20,6 +21,7 @@ use ::redis::RedisError;
 
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use connect::Pool;
+pub use layout::KeyLayout;
 use script::{Call, Mode, Reply};
 
 /// How the configured URLs reach the master(s) that hold the state.
@@ -49,6 +51,9 @@ pub struct RedisConfig {
     pub connections: usize,
     /// Bound on establishing a connection (and on `connect` as a whole). Default: 1 s.
     pub connect_timeout: Duration,
+    /// Where fixed-window counters live: turnstile's keys, or the reference's (to share
+    /// counters with it during a migration). Default: turnstile's.
+    pub key_layout: KeyLayout,
     /// Bound on every `evaluate` (and `ready`) call; beyond it the call fails with
     /// [`BackendError::Timeout`]. Default: 25 ms.
     pub call_timeout: Duration,
@@ -80,6 +85,7 @@ impl Default for RedisConfig {
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_millis(25),
             key_prefix: String::new(),
+            key_layout: KeyLayout::Turnstile,
             tls: RedisTls::default(),
             auth: None,
             tls_by_default: false,
@@ -98,6 +104,7 @@ impl fmt::Debug for RedisConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("call_timeout", &self.call_timeout)
             .field("key_prefix", &self.key_prefix)
+            .field("key_layout", &self.key_layout)
             .field("tls_ca", &self.tls.ca.is_some())
             .field("tls_client", &self.tls.client.is_some())
             .field("auth", &self.auth.as_ref().map(|_| "***"))
@@ -119,6 +126,7 @@ struct Shared {
     /// Bound on script calls that must finish even after the caller gave up (refunds).
     cleanup_timeout: Duration,
     key_prefix: String,
+    key_layout: KeyLayout,
 }
 
 impl RedisBackend {
@@ -137,16 +145,15 @@ impl RedisBackend {
                 call_timeout: config.call_timeout,
                 cleanup_timeout: config.call_timeout + config.connect_timeout,
                 key_prefix: config.key_prefix.clone(),
+                key_layout: config.key_layout,
             }),
         })
     }
 }
 
 impl Shared {
-    /// The whole limit identity is the hash tag, so every key the script derives from it
-    /// (`<key>:<window>`, `<key>:n`) lands in the same Cluster slot.
-    fn redis_key(&self, key: &str) -> String {
-        format!("{}{{{key}}}", self.key_prefix)
+    fn redis_key(&self, hit: &Hit) -> String {
+        self.key_layout.key(&self.key_prefix, &hit.key, &hit.limit)
     }
 
     /// Run one script call within `bound`.
@@ -182,7 +189,7 @@ impl Backend for RedisBackend {
             return Ok(Vec::new());
         }
         let shared = &self.shared;
-        let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(&h.key)).collect();
+        let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(h)).collect();
         let nonce = script::nonce();
         if shared.pool.is_cluster() {
             let groups = cluster::group_by_slot(&keys);
@@ -195,7 +202,7 @@ impl Backend for RedisBackend {
             Charging::Atomic => Mode::Atomic,
             Charging::PerDescriptor => Mode::Each,
         };
-        let mut call = Call::new(mode, &nonce);
+        let mut call = Call::new(mode, &nonce, shared.key_layout);
         for (key, hit) in keys.into_iter().zip(hits) {
             call.push(key, &hit.limit, hit.hits, script::role_letter(hit.role));
         }

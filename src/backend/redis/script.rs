@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 
+use super::KeyLayout;
 use super::connect::Pool;
 use crate::algorithm::Algorithm;
 use crate::algorithm::fixed_window::FixedWindow;
@@ -75,13 +76,15 @@ pub(super) fn nonce() -> String {
 pub(super) struct Call {
     keys: Vec<String>,
     args: Vec<String>,
+    layout: KeyLayout,
 }
 
 impl Call {
-    pub(super) fn new(mode: Mode, nonce: &str) -> Call {
+    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout) -> Call {
         Call {
             keys: Vec::new(),
             args: vec![mode.name().into(), nonce.into()],
+            layout,
         }
     }
 
@@ -89,7 +92,7 @@ impl Call {
     pub(super) fn push(&mut self, key: String, limit: &Limit, hits: u64, last: String) {
         self.keys.push(key);
         self.args.extend([
-            limit.algorithm.name().into(),
+            self.layout.script_algorithm(limit).into(),
             limit.requests_per_unit.to_string(),
             limit.window.to_string(),
             limit.burst.to_string(),

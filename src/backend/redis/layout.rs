@@ -1,0 +1,97 @@
+//! Key layouts. turnstile's own puts a limit's whole identity in a Cluster hash tag, so all
+//! its keys share a slot. The reference server's (`<prefix><domain>_<key>_<value>_..._<window
+//! start>`, fixed windows only) is offered so that, during a rolling switch, turnstile and
+//! the Go server count fixed windows on the same keys.
+
+use crate::limit::{Algorithm, Limit};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyLayout {
+    #[default]
+    Turnstile,
+    /// Fixed windows on the reference's keys; other algorithms keep turnstile's.
+    Reference,
+}
+
+impl KeyLayout {
+    fn reference(self, limit: &Limit) -> bool {
+        self == KeyLayout::Reference && limit.algorithm == Algorithm::FixedWindow
+    }
+
+    /// The Redis key a hit's script call is given (the script derives the rest from it).
+    pub(super) fn key(self, prefix: &str, identity: &str, limit: &Limit) -> String {
+        if self.reference(limit) {
+            reference_key(prefix, identity)
+        } else {
+            // The whole identity is the hash tag, so every key the script derives from it
+            // (`<key>:<window>`, `<key>:n`) lands in the same Cluster slot.
+            format!("{prefix}{{{identity}}}")
+        }
+    }
+
+    /// The script's name for the algorithm.
+    pub(super) fn script_algorithm(self, limit: &Limit) -> &'static str {
+        if self.reference(limit) {
+            "fixed_window_reference"
+        } else {
+            limit.algorithm.name()
+        }
+    }
+}
+
+/// `<prefix><domain>_<key>_<value>_..._` from an identity `<domain>|<key>=<value>|...`
+/// (see `crate::key`); the script appends the window start. An override's marker and the
+/// algorithm are not part of the reference's key.
+fn reference_key(prefix: &str, identity: &str) -> String {
+    let mut parts = identity.split('|');
+    let mut key = String::from(prefix);
+    key.push_str(&unescape(parts.next().unwrap_or_default()));
+    key.push('_');
+    for part in parts {
+        if let Some((k, v)) = part.split_once('=') {
+            key.push_str(&unescape(k));
+            key.push('_');
+            key.push_str(&unescape(v));
+            key.push('_');
+        }
+    }
+    key
+}
+
+/// Undo `crate::key`'s percent-encoding of its separators.
+fn unescape(text: &str) -> String {
+    text.replace("%7C", "|")
+        .replace("%3D", "=")
+        .replace("%7B", "{")
+        .replace("%7D", "}")
+        .replace("%25", "%")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::limit_key;
+    use crate::limit::Unit;
+
+    #[test]
+    fn the_reference_layout_rebuilds_the_reference_key() {
+        let limit = Limit::fixed(10, Unit::Minute);
+        let identity = limit_key("dom", [("key2", "value2"), ("sub", "a=b%")], None, &limit);
+        assert_eq!(
+            KeyLayout::Reference.key("pre:", &identity, &limit),
+            "pre:dom_key2_value2_sub_a=b%_"
+        );
+        assert_eq!(
+            KeyLayout::Reference.script_algorithm(&limit),
+            "fixed_window_reference"
+        );
+        let bucket = Limit {
+            algorithm: Algorithm::TokenBucket,
+            ..limit
+        };
+        assert_eq!(
+            KeyLayout::Reference.key("", "d|k=v|token_bucket:60", &bucket),
+            "{d|k=v|token_bucket:60}"
+        );
+    }
+}
