@@ -1163,3 +1163,91 @@ async fn the_reference_key_layout_shares_fixed_window_counters_with_the_referenc
     let ttl: i64 = server.query(&["PTTL", &key]);
     assert!(ttl > 0);
 }
+
+// ---- exact retry times ---------------------------------------------------------------------
+
+/// Refuse once, then probe: just before the reported retry time the hit is still refused,
+/// and it is admitted within a few milliseconds after. Returns how late (+) or early (-) the
+/// first admission came, relative to the reported time, in milliseconds.
+async fn retry_error_ms(backend: &impl Backend, h: &Hit, fill: usize) -> f64 {
+    for _ in 0..fill {
+        assert!(
+            one(backend, h).await.admitted,
+            "the limit admits {fill} first"
+        );
+    }
+    let refused = one(backend, h).await;
+    let reported_at = Instant::now();
+    assert!(!refused.admitted);
+    let due = reported_at + refused.reset_after;
+    if refused.reset_after > Duration::from_millis(60) {
+        tokio::time::sleep_until((due - Duration::from_millis(30)).into()).await;
+        assert!(
+            !one(backend, h).await.admitted,
+            "30 ms early is still refused"
+        );
+    }
+    loop {
+        let sent = Instant::now();
+        if one(backend, h).await.admitted {
+            return if sent >= due {
+                (sent - due).as_secs_f64() * 1e3
+            } else {
+                -((due - sent).as_secs_f64() * 1e3)
+            };
+        }
+        assert!(sent < due + Duration::from_secs(1), "never admitted again");
+        sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test]
+async fn retry_times_are_when_admission_resumes() {
+    let server = RedisServer::start();
+    let cluster = RedisCluster::shared();
+    let memory = MemoryBackend::new(1_000);
+    let single = single(&server, "retry:").await;
+    let clustered = clustered(&cluster, "retry:").await;
+    let cases = [
+        (
+            "fixed_window",
+            limit(Algorithm::FixedWindow, 1, Unit::Second),
+            1,
+        ),
+        (
+            "sliding_window",
+            limit(Algorithm::SlidingWindow, 2, Unit::Second),
+            2,
+        ),
+        (
+            "token_bucket",
+            Limit {
+                burst: 1,
+                ..limit(Algorithm::TokenBucket, 5, Unit::Second)
+            },
+            1,
+        ),
+    ];
+    let mut worst: f64 = 0.0;
+    for (name, l, fill) in cases {
+        let errors = [
+            retry_error_ms(&memory, &hit(&format!("m-{name}"), l, 1), fill).await,
+            retry_error_ms(&single, &hit(&format!("s-{name}"), l, 1), fill).await,
+            retry_error_ms(&clustered, &hit(&format!("c-{name}"), l, 1), fill).await,
+        ];
+        println!(
+            "{name}: first admission after the reported retry time (memory, single, cluster): {errors:.1?} ms"
+        );
+        for e in errors {
+            assert!(
+                e > -1.0,
+                "{name}: admitted {e:.1} ms before the reported time"
+            );
+            worst = worst.max(e);
+        }
+    }
+    assert!(
+        worst < 25.0,
+        "admission resumed {worst:.1} ms after the reported time"
+    );
+}
