@@ -72,11 +72,27 @@ pub struct Plan<'a> {
     pub on_backend_error: Option<FailurePolicy>,
 }
 
+/// The descriptor's entries, with a rule's `share_threshold` patterns in place of the values
+/// they match (so every matching value counts on one counter).
+fn entries<'e>(
+    descriptor: &'e Descriptor<'_>,
+    shared: &'e [Option<String>],
+) -> impl Iterator<Item = (&'e str, &'e str)> {
+    descriptor.entries.iter().enumerate().map(|(i, &(k, v))| {
+        let shared = shared.get(i).and_then(Option::as_deref);
+        (k, shared.unwrap_or(v))
+    })
+}
+
 /// `<domain>.<key>_<value>.…` from the request's own values: the stats key of detailed
 /// metrics and of overrides.
-fn detailed_stats_key(domain: &str, descriptor: &Descriptor<'_>) -> String {
+fn detailed_stats_key(
+    domain: &str,
+    descriptor: &Descriptor<'_>,
+    shared: &[Option<String>],
+) -> String {
     let mut key = domain.to_owned();
-    for (k, v) in &descriptor.entries {
+    for (k, v) in entries(descriptor, shared) {
         key.push('.');
         key.push_str(k);
         key.push('_');
@@ -155,11 +171,16 @@ impl<'a> Plan<'a> {
         rule: Option<&'a Rule>,
         replaced: &HashSet<&str>,
     ) -> Decision<'a> {
-        let (limit, also, applied) = match (descriptor.limit_override, rule) {
+        let (limit, also, shared, applied) = match (descriptor.limit_override, rule) {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
-                let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor));
-                (limit, &[][..], ("override", stats_key, Role::Enforce))
+                let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor, &[]));
+                (
+                    limit,
+                    &[][..],
+                    &[][..],
+                    ("override", stats_key, Role::Enforce),
+                )
             }
             (None, None) => return Decision::NoLimit,
             (None, Some(rule)) => {
@@ -170,7 +191,7 @@ impl<'a> Plan<'a> {
                     return Decision::Unlimited;
                 };
                 let stats_key = if rule.detailed_metric {
-                    Cow::Owned(detailed_stats_key(domain.name(), descriptor))
+                    Cow::Owned(detailed_stats_key(domain.name(), descriptor, &rule.shared))
                 } else {
                     Cow::Borrowed(rule.full_key.as_str())
                 };
@@ -182,14 +203,19 @@ impl<'a> Plan<'a> {
                     Role::Enforce
                 };
                 let name = rule.name.as_deref().unwrap_or(&rule.full_key);
-                (limit, rule.also.as_slice(), (name, stats_key, role))
+                (
+                    limit,
+                    rule.also.as_slice(),
+                    rule.shared.as_slice(),
+                    (name, stats_key, role),
+                )
             }
         };
         let (name, stats_key, role) = applied;
-        let hit = self.hit(domain, descriptor, limit, role);
+        let hit = self.hit(domain, descriptor, shared, limit, role);
         let also = also
             .iter()
-            .map(|&limit| self.hit(domain, descriptor, limit, role))
+            .map(|&limit| self.hit(domain, descriptor, shared, limit, role))
             .collect();
         Decision::Limited(Applied {
             name,
@@ -207,12 +233,13 @@ impl<'a> Plan<'a> {
         &mut self,
         domain: &DomainRules,
         descriptor: &Descriptor<'_>,
+        shared: &[Option<String>],
         limit: Limit,
         role: Role,
     ) -> usize {
         let key = limit_key(
             domain.name(),
-            descriptor.entries.iter().copied(),
+            entries(descriptor, shared),
             descriptor.limit_override.map(|o| o.unit),
             &limit,
         );

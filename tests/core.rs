@@ -766,3 +766,33 @@ async fn a_custom_window_limits_over_its_own_span() {
         "the longest unit within 2 s"
     );
 }
+
+#[tokio::test]
+async fn share_threshold_makes_every_matching_value_count_on_one_counter() {
+    let rules = Rules::new(
+        "domain: files\ndescriptors:\n  - key: file\n    value: files/*\n    share_threshold: true\n    rate_limit: {unit: hour, requests_per_unit: 3}\n  - key: file\n    value: test1\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: own\n    value: own/*\n    rate_limit: {unit: hour, requests_per_unit: 3}\n",
+    );
+    let t = Turnstile::start(rules.path(), &[]).await;
+    let hit = |value: &str| request("files", vec![descriptor(&[("file", value)])]);
+    for value in ["files/a.pdf", "files/b.csv", "files/c.txt"] {
+        assert_eq!(code(&t.call(hit(value)).await.unwrap()), Code::Ok);
+    }
+    assert_eq!(
+        code(&t.call(hit("files/d.doc")).await.unwrap()),
+        Code::OverLimit,
+        "the three files before it used the shared quota"
+    );
+    assert_eq!(
+        remaining(&t.call(hit("test1")).await.unwrap()),
+        [0],
+        "an exact value has its own"
+    );
+    let own = |value: &str| request("files", vec![descriptor(&[("own", value)])]);
+    for value in ["own/a", "own/b", "own/c", "own/d"] {
+        assert_eq!(
+            remaining(&t.call(own(value)).await.unwrap()),
+            [2],
+            "{value} counts alone"
+        );
+    }
+}

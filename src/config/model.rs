@@ -64,6 +64,8 @@ pub struct DescriptorSpec {
     pub shadow_mode: bool,
     pub quota_mode: bool,
     pub detailed_metric: bool,
+    /// Every value matching this node's wildcard shares one counter.
+    pub share_threshold: bool,
     pub descriptors: Vec<DescriptorSpec>,
     pub pos: Pos,
 }
@@ -230,10 +232,10 @@ impl Reader<'_> {
             shadow_mode: false,
             quota_mode: false,
             detailed_metric: false,
+            share_threshold: false,
             descriptors: Vec::new(),
             pos,
         };
-        let mut share_threshold = false;
         for (key, value) in entries {
             let Some(name) = string_key(key) else {
                 continue;
@@ -246,9 +248,9 @@ impl Reader<'_> {
                 "shadow_mode" => spec.shadow_mode = self.boolean(value, name),
                 "quota_mode" => spec.quota_mode = self.boolean(value, name),
                 "detailed_metric" => spec.detailed_metric = self.boolean(value, name),
-                // These three are checked as the reference checks them but not kept: their
-                // effects (stats and cache keys, response metadata) belong to later stages.
-                "share_threshold" => share_threshold = self.boolean(value, name),
+                "share_threshold" => spec.share_threshold = self.boolean(value, name),
+                // Checked as the reference checks them but not kept: they only shape stats
+                // keys and the reference's response metadata, which turnstile names its own way.
                 "value_to_metric" => {
                     self.boolean(value, name);
                 }
@@ -260,7 +262,7 @@ impl Reader<'_> {
                 _ => {}
             }
         }
-        if share_threshold {
+        if spec.share_threshold {
             let composite = match &spec.value {
                 Some(value) => format!("{}_{value}", spec.key),
                 None => spec.key.clone(),

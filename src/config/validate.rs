@@ -78,6 +78,7 @@ impl Validator {
             &mut domain.root,
             &mut domain.seen,
             &spec.domain,
+            &mut Vec::new(),
             &spec.descriptors,
             &mut domain.rules,
         );
@@ -115,10 +116,24 @@ impl Check<'_> {
         self.errors.push(ConfigError::at(self.file, pos, message));
     }
 
-    /// Compiles one level; `parent` is the full key of the node that owns it.
-    fn level(&mut self, parent: &str, specs: &[DescriptorSpec], rules: &mut Vec<Rule>) -> Level {
+    /// Compiles one level; `parent` is the full key of the node that owns it, `shared` the
+    /// `share_threshold` patterns on the way to it.
+    fn level(
+        &mut self,
+        parent: &str,
+        shared: &mut Vec<Option<String>>,
+        specs: &[DescriptorSpec],
+        rules: &mut Vec<Rule>,
+    ) -> Level {
         let mut level = Level::default();
-        self.fill(&mut level, &mut HashSet::new(), parent, specs, rules);
+        self.fill(
+            &mut level,
+            &mut HashSet::new(),
+            parent,
+            shared,
+            specs,
+            rules,
+        );
         level
     }
 
@@ -128,6 +143,7 @@ impl Check<'_> {
         level: &mut Level,
         seen: &mut HashSet<String>,
         parent: &str,
+        shared: &mut Vec<Option<String>>,
         specs: &[DescriptorSpec],
         rules: &mut Vec<Rule>,
     ) {
@@ -147,11 +163,21 @@ impl Check<'_> {
                     format!("duplicate descriptor composite key '{full_key}'"),
                 );
             }
+            shared.push(
+                spec.value
+                    .clone()
+                    .filter(|v| spec.share_threshold && v.contains('*')),
+            );
             let rule = spec.rate_limits.split_first().map(|(first, others)| {
-                rules.push(self.rule(spec, first, others, full_key.clone()));
+                let mut rule = self.rule(spec, first, others, full_key.clone());
+                if shared.iter().any(Option::is_some) {
+                    rule.shared = shared.clone();
+                }
+                rules.push(rule);
                 rules.len() - 1
             });
-            let children = self.level(&full_key, &spec.descriptors, rules);
+            let children = self.level(&full_key, shared, &spec.descriptors, rules);
+            shared.pop();
             level.insert(&spec.key, spec.value.as_deref(), Step::new(rule, children));
         }
     }
@@ -206,6 +232,7 @@ impl Check<'_> {
             full_key,
             limit,
             also,
+            shared: Vec::new(),
             shadow_mode: spec.shadow_mode,
             quota_mode: spec.quota_mode,
             detailed_metric: spec.detailed_metric,
