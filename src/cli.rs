@@ -153,6 +153,16 @@ pub struct ServeArgs {
     /// Do not open the debug port.
     #[arg(long, env = "TURNSTILE_NO_DEBUG_PORT")]
     pub no_debug_port: bool,
+    /// Also export the reference's stats to statsd (UDP), as counters.
+    #[arg(long, env = "USE_STATSD")]
+    pub use_statsd: bool,
+    #[arg(long, env = "STATSD_HOST", default_value = "localhost")]
+    pub statsd_host: String,
+    #[arg(long, env = "STATSD_PORT", default_value_t = 8125)]
+    pub statsd_port: u16,
+    /// How often stats are sent to statsd.
+    #[arg(long, env = "STATS_FLUSH_INTERVAL", value_parser = duration, default_value = "10s")]
+    pub stats_flush_interval: Duration,
     /// Also serve Prometheus metrics on a port of their own (PROMETHEUS_ADDR).
     #[arg(long, env = "USE_PROMETHEUS")]
     pub use_prometheus: bool,

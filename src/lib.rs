@@ -24,4 +24,5 @@ pub mod request;
 pub mod response;
 pub mod server;
 pub mod service;
+pub mod statsd;
 pub mod telemetry;

@@ -11,10 +11,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use std::time::Duration;
 
-use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics::{
+    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString,
+    Unit,
+};
+use metrics_exporter_prometheus::PrometheusRecorder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::backend::{BackendError, Outcome};
+use crate::statsd::StatsdRecorder;
 
 /// gRPC methods with their own series; any other path is counted as "other".
 const GRPC_METHODS: [&str; 4] = ["ShouldRateLimit", "Check", "Watch", "other"];
@@ -61,7 +66,8 @@ impl MethodMetrics {
 }
 
 pub struct Metrics {
-    recorder: PrometheusRecorder,
+    /// Prometheus, and statsd when exported.
+    recorder: Recorders,
     methods: Vec<MethodMetrics>,
     handle: PrometheusHandle,
     near_limit_ratio: f64,
@@ -81,19 +87,83 @@ pub struct Metrics {
 
 /// A counter handle, registered directly on our recorder (no global recorder, so several
 /// services can live in one process, as in tests).
+/// Prometheus, plus statsd for counters when it is exported.
+struct Recorders {
+    prometheus: PrometheusRecorder,
+    statsd: Option<StatsdRecorder>,
+}
+
+/// One counter counted by both recorders.
+struct Both(Counter, Counter);
+
+impl CounterFn for Both {
+    fn increment(&self, value: u64) {
+        self.0.increment(value);
+        self.1.increment(value);
+    }
+
+    fn absolute(&self, value: u64) {
+        self.0.absolute(value);
+        self.1.absolute(value);
+    }
+}
+
+impl Recorder for Recorders {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.prometheus.describe_counter(key, unit, description);
+    }
+
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.prometheus.describe_gauge(key, unit, description);
+    }
+
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.prometheus.describe_histogram(key, unit, description);
+    }
+
+    fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
+        let prometheus = self.prometheus.register_counter(key, metadata);
+        match &self.statsd {
+            Some(statsd) => Counter::from_arc(Arc::new(Both(
+                prometheus,
+                statsd.register_counter(key, metadata),
+            ))),
+            None => prometheus,
+        }
+    }
+
+    fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> Gauge {
+        self.prometheus.register_gauge(key, metadata)
+    }
+
+    fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
+        self.prometheus.register_histogram(key, metadata)
+    }
+}
+
 static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
 
-fn counter(recorder: &PrometheusRecorder, name: &'static str, labels: Vec<Label>) -> Counter {
+fn counter(recorder: &dyn Recorder, name: &'static str, labels: Vec<Label>) -> Counter {
     recorder.register_counter(&Key::from_parts(name, labels), &METADATA)
 }
 
 impl Metrics {
     pub fn new(near_limit_ratio: f64, max_series: usize) -> Metrics {
-        let recorder = PrometheusBuilder::new()
+        Metrics::with_statsd(near_limit_ratio, max_series, None)
+    }
+
+    /// Metrics that are also exported to statsd through `statsd`.
+    pub fn with_statsd(
+        near_limit_ratio: f64,
+        max_series: usize,
+        statsd: Option<StatsdRecorder>,
+    ) -> Metrics {
+        let prometheus = PrometheusBuilder::new()
             .set_buckets(&LATENCY_BUCKETS)
             .expect("static, non-empty buckets")
             .build_recorder();
-        let handle = recorder.handle();
+        let handle = prometheus.handle();
+        let recorder = Recorders { prometheus, statsd };
         let plain = |name| counter(&recorder, name, Vec::new());
         let methods = GRPC_METHODS
             .iter()

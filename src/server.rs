@@ -33,6 +33,7 @@ use crate::reload::Reloader;
 use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
+use crate::statsd::StatsdRecorder;
 
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
@@ -126,6 +127,19 @@ fn read(path: &std::path::PathBuf) -> anyhow::Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
+/// The statsd exporter, flushing to STATSD_HOST:STATSD_PORT in the background.
+async fn statsd(args: &ServeArgs) -> anyhow::Result<StatsdRecorder> {
+    let target = tokio::net::lookup_host((args.statsd_host.as_str(), args.statsd_port))
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .with_context(|| format!("cannot resolve STATSD_HOST {}", args.statsd_host))?;
+    let recorder = StatsdRecorder::default();
+    tokio::spawn(recorder.clone().flush_to(target, args.stats_flush_interval));
+    tracing::info!(%target, "exporting stats to statsd");
+    Ok(recorder)
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let source = args.rules.source();
     let rules = source.load().map_err(|errors| {
@@ -134,7 +148,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             source.path.display()
         )
     })?;
-    let metrics = Arc::new(Metrics::new(args.near_limit_ratio, args.max_series));
+    let statsd = match args.use_statsd {
+        true => Some(statsd(&args).await?),
+        false => None,
+    };
+    let metrics = Arc::new(Metrics::with_statsd(
+        args.near_limit_ratio,
+        args.max_series,
+        statsd,
+    ));
     metrics.config_load_success.increment(1);
     tracing::info!(
         path = %source.path.display(),

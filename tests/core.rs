@@ -796,3 +796,53 @@ async fn share_threshold_makes_every_matching_value_count_on_one_counter() {
         );
     }
 }
+
+#[tokio::test]
+async fn stats_are_exported_to_statsd_under_the_reference_names() {
+    use std::collections::HashMap;
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let port = socket.local_addr().unwrap().port().to_string();
+    let rules = Rules::new(RULES);
+    let t = Turnstile::start_with(
+        &["--config", rules.path().to_str().unwrap()],
+        &[
+            ("USE_STATSD", "true"),
+            ("STATSD_HOST", "127.0.0.1"),
+            ("STATSD_PORT", &port),
+            ("STATS_FLUSH_INTERVAL", "100ms"),
+        ],
+    )
+    .await;
+    for _ in 0..2 {
+        t.call(request("test", vec![descriptor(&[("narrow", "s")])]))
+            .await
+            .unwrap();
+    }
+    let mut totals: HashMap<String, u64> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut buf = [0u8; 2048];
+    let done = |t: &HashMap<String, u64>| {
+        t.get("ratelimit.service.rate_limit.test.narrow.over_limit") == Some(&1)
+            && t.get("ratelimit_server.ShouldRateLimit.total_requests") == Some(&2)
+    };
+    while !done(&totals) {
+        let received = tokio::time::timeout_at(deadline, socket.recv(&mut buf))
+            .await
+            .expect("statsd lines in time")
+            .unwrap();
+        for line in std::str::from_utf8(&buf[..received]).unwrap().lines() {
+            let (name, rest) = line.split_once(':').unwrap();
+            let value: u64 = rest.strip_suffix("|c").unwrap().parse().unwrap();
+            *totals.entry(name.to_owned()).or_default() += value;
+        }
+    }
+    assert_eq!(
+        totals["ratelimit.service.rate_limit.test.narrow.total_hits"],
+        2
+    );
+    assert_eq!(
+        totals["ratelimit.service.rate_limit.test.narrow.within_limit"],
+        1
+    );
+    assert_eq!(totals["ratelimit_server.ShouldRateLimit.total_requests"], 2);
+}
