@@ -67,7 +67,7 @@ async fn check_json<B: Backend>(State(admin): State<Arc<Admin<B>>>, body: Bytes)
             return (StatusCode::BAD_REQUEST, format!("Bad Request: {error}")).into_response();
         }
     };
-    match admin.limiter.check(&request).await {
+    match admin.limiter.check(&request, None).await {
         Ok(response) => {
             let status = if response.overall_code == Code::OverLimit as i32 {
                 StatusCode::TOO_MANY_REQUESTS

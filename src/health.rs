@@ -2,9 +2,10 @@
 //! reference's "ratelimit", and the RLS's full name) and on HTTP `/healthcheck`.
 //!
 //! Serving means: no shutdown has begun (flipping to not-serving on SIGTERM lets load
-//! balancers drain the instance before it stops); the backend answered its last probe, when
-//! the failure policy is `error` (with any other policy the instance still answers as
-//! configured while the backend is away, so taking it out of rotation would defeat the
+//! balancers drain the instance before it stops); the backend has answered since start-up
+//! (so a new instance gets traffic only once connected) and, when the failure policy is
+//! `error`, answered its last probe too (with any other policy the instance answers as
+//! configured while the backend is away, and taking it out of rotation would defeat the
 //! policy); and, with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED, the rules define a domain.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,6 +37,8 @@ pub struct Health {
     reporter: HealthReporter,
     requirements: Requirements,
     backend_ok: AtomicBool,
+    /// The backend has answered at least once.
+    backend_seen: AtomicBool,
     stopping: AtomicBool,
     published: AtomicBool,
 }
@@ -46,6 +49,7 @@ impl Health {
             reporter,
             requirements,
             backend_ok: AtomicBool::new(false),
+            backend_seen: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             published: AtomicBool::new(false),
         }
@@ -57,7 +61,9 @@ impl Health {
             .rules
             .as_ref()
             .is_none_or(|rules| rules.current().rules.domains().next().is_some());
-        (self.backend_ok.load(Ordering::Relaxed) || !self.requirements.backend)
+        let backend_ok = self.backend_ok.load(Ordering::Relaxed);
+        let backend_seen = self.backend_seen.load(Ordering::Relaxed);
+        (backend_ok || (backend_seen && !self.requirements.backend))
             && rules_ok
             && !self.stopping.load(Ordering::Relaxed)
     }
@@ -76,6 +82,9 @@ impl Health {
     }
 
     pub async fn set_backend_ok(&self, ok: bool) {
+        if ok {
+            self.backend_seen.store(true, Ordering::Relaxed);
+        }
         if self.backend_ok.swap(ok, Ordering::Relaxed) != ok {
             if ok {
                 tracing::info!("backend answers");

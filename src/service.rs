@@ -5,6 +5,7 @@
 //! can never disagree.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -59,9 +60,14 @@ impl<B: Backend> RateLimiter<B> {
         &self.backend
     }
 
-    /// Decide one request.
+    /// Decide one request. `budget` bounds the backend call (the caller's deadline less a
+    /// margin): past it the failure policy answers, while the caller still listens.
     #[tracing::instrument(level = "trace", name = "should_rate_limit", skip_all, fields(domain = %request.domain))]
-    pub async fn check(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+    pub async fn check(
+        &self,
+        request: &RateLimitRequest,
+        budget: Option<Duration>,
+    ) -> Result<RateLimitResponse, Status> {
         let request = CheckRequest::parse(request, &self.settings.bounds).map_err(|invalid| {
             self.metrics.invalid_request.increment(1);
             Status::invalid_argument(invalid.0)
@@ -78,11 +84,16 @@ impl<B: Backend> RateLimiter<B> {
             Vec::new()
         } else {
             let span = tracing::trace_span!("backend", hits = plan.hits.len());
-            let evaluated = self
+            let evaluate = self
                 .backend
                 .evaluate(&plan.hits, self.settings.charging)
-                .instrument(span)
-                .await;
+                .instrument(span);
+            let evaluated = match budget {
+                Some(budget) => tokio::time::timeout(budget, evaluate)
+                    .await
+                    .unwrap_or(Err(BackendError::Timeout)),
+                None => evaluate.await,
+            };
             match evaluated {
                 Ok(outcomes) => outcomes,
                 Err(error) => self.on_backend_error(&plan, request.domain, error)?,
@@ -143,6 +154,51 @@ impl<B: Backend> RateLimitService for RateLimiter<B> {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        self.check(request.get_ref()).await.map(Response::new)
+        let budget = deadline(&request).map(|d| d.saturating_sub(DEADLINE_MARGIN + d / 10));
+        self.check(request.get_ref(), budget)
+            .await
+            .map(Response::new)
+    }
+}
+
+/// What an answer needs, after the backend, to reach a caller before its deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(2);
+
+/// The caller's deadline, from its `grpc-timeout` header (Envoy sends its filter timeout).
+fn deadline<T>(request: &Request<T>) -> Option<Duration> {
+    let text = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (amount, unit) = text.split_at(text.len().checked_sub(1)?);
+    let amount: u64 = amount.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.checked_mul(3_600)?),
+        "M" => Duration::from_secs(amount.checked_mul(60)?),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_in_every_unit() {
+        let with = |value: &str| {
+            let mut request = Request::new(());
+            request
+                .metadata_mut()
+                .insert("grpc-timeout", value.parse().unwrap());
+            deadline(&request)
+        };
+        assert_eq!(with("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(with("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(with("1H"), Some(Duration::from_secs(3_600)));
+        assert_eq!(with("1500u"), Some(Duration::from_micros(1_500)));
+        assert_eq!(with("7x"), None);
+        assert_eq!(with("m"), None);
+        assert_eq!(deadline(&Request::new(())), None);
     }
 }

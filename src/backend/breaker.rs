@@ -126,6 +126,24 @@ impl<B: Backend> Breaker<B> {
     }
 }
 
+/// A call dropped before the backend answered (its deadline passed first, or its client went
+/// away) counts as a failure: a frozen backend must still open the circuit when every caller
+/// gives up before the backend timeout, and a dropped probe must not leave the breaker
+/// half-open for ever.
+struct Unfinished<'a, B: Backend> {
+    breaker: &'a Breaker<B>,
+    probe: bool,
+    armed: bool,
+}
+
+impl<B: Backend> Drop for Unfinished<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.breaker.failed(self.probe);
+        }
+    }
+}
+
 impl<B: Backend> Backend for Breaker<B> {
     async fn evaluate(
         &self,
@@ -137,10 +155,19 @@ impl<B: Backend> Backend for Breaker<B> {
             Admission::Probe => true,
             Admission::Call => false,
         };
+        let mut unfinished = Unfinished {
+            breaker: self,
+            probe,
+            armed: true,
+        };
         let result = self.inner.evaluate(hits, charging).await;
+        unfinished.armed = false;
         match &result {
             Ok(_) => self.succeeded(),
-            // A full memory backend is not a failing one.
+            // A full backend (memory, or Redis out of memory) is not a failing one: it
+            // answers, so a probe that meets it closes the circuit rather than holding it
+            // half-open.
+            Err(BackendError::Full(_)) if probe => self.succeeded(),
             Err(BackendError::Full(_)) => {}
             Err(_) => self.failed(probe),
         }

@@ -34,6 +34,8 @@ pub struct RedisServer {
     /// Extra `redis.conf` lines.
     extra: String,
     dir: tempfile::TempDir,
+    /// Where a persistent server keeps its data, if elsewhere than `dir`.
+    data: Option<tempfile::TempDir>,
 }
 
 impl RedisServer {
@@ -45,6 +47,24 @@ impl RedisServer {
     /// A standalone server with extra `redis.conf` lines.
     pub fn start_with(config: &str) -> RedisServer {
         RedisServer::launch(Kind::Standalone, config)
+    }
+
+    /// A standalone server that writes every change to its append-only file before answering
+    /// (`appendfsync always`), kept in memory (`/dev/shm` where there is one) so that costs no
+    /// disk latency: a SIGKILL loses nothing that was answered, and `restart` reloads it.
+    pub fn start_persistent() -> RedisServer {
+        let data = tempfile::Builder::new()
+            .prefix("redis-data")
+            .tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("temporary directory");
+        let config = format!(
+            "appendonly yes\nappendfsync always\ndir {}\n",
+            data.path().display()
+        );
+        let mut server = RedisServer::launch(Kind::Standalone, &config);
+        server.data = Some(data);
+        server
     }
 
     /// A replica of `master`.
@@ -78,6 +98,7 @@ impl RedisServer {
                 kind: kind.clone(),
                 extra: extra.into(),
                 dir: tempfile::tempdir().expect("temporary directory"),
+                data: None,
             };
             if server.spawn() {
                 return server;
@@ -230,6 +251,26 @@ impl RedisServer {
         command.query(&mut self.connection()?)
     }
 
+    /// The first element of `ROLE`: "master", "slave" or "sentinel"; None if it does not answer.
+    pub fn role(&self) -> Option<String> {
+        let reply: redis::Value = self.try_query(&["ROLE"]).ok()?;
+        match reply {
+            redis::Value::Array(items) => items
+                .first()
+                .and_then(|v| String::from_redis_value_ref(v).ok()),
+            _ => None,
+        }
+    }
+
+    /// One field of `INFO <section>`, e.g. `info("replication", "master_repl_offset")`.
+    pub fn info(&self, section: &str, field: &str) -> Option<String> {
+        let text: String = self.try_query(&["INFO", section]).ok()?;
+        let prefix = format!("{field}:");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .map(|v| v.trim().to_owned())
+    }
+
     /// Every key matching `pattern`, by SCAN.
     pub fn keys(&self, pattern: &str) -> Vec<String> {
         let mut connection = self.connection().expect("connect");
@@ -280,19 +321,32 @@ fn free_port(cluster_bus: bool) -> u16 {
     panic!("no free port found");
 }
 
-/// A Cluster of masters without replicas, slots spread evenly by `redis-cli --cluster create`.
+/// A Cluster of masters (optionally each with replicas), slots spread evenly by
+/// `redis-cli --cluster create`.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
+    /// Masters without replicas.
     pub fn start(masters: usize) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..masters)
-            .map(|_| RedisServer::launch(Kind::ClusterNode, ""))
+        RedisCluster::start_with(masters, 0, "")
+    }
+
+    /// `masters` masters with `replicas` replicas each, every node with the extra `redis.conf`
+    /// lines `config` (e.g. a short `cluster-node-timeout`, so a replica takes over quickly).
+    /// Returns once every node sees the whole Cluster healthy and every replica is in sync.
+    pub fn start_with(masters: usize, replicas: usize, config: &str) -> RedisCluster {
+        let total = masters * (1 + replicas);
+        let nodes: Vec<RedisServer> = (0..total)
+            .map(|_| RedisServer::launch(Kind::ClusterNode, config))
             .collect();
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
         create.args(nodes.iter().map(RedisServer::addr));
+        if replicas > 0 {
+            create.arg("--cluster-replicas").arg(replicas.to_string());
+        }
         create.arg("--cluster-yes");
         let log = nodes[0].dir.path().join("create.log");
         let out = fs::File::create(&log).expect("create.log");
@@ -320,13 +374,38 @@ impl RedisCluster {
             read(&log)
         );
         let cluster = RedisCluster { nodes };
+        let known = format!("cluster_known_nodes:{total}");
         for node in &cluster.nodes {
             node.wait_until(CLUSTER_TIMEOUT, "cluster_state:ok", |n| {
                 n.try_query::<String>(&["CLUSTER", "INFO"])
-                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+                    .is_ok_and(|info| info.contains("cluster_state:ok") && info.contains(&known))
+            });
+        }
+        for node in &cluster.nodes {
+            node.wait_until(CLUSTER_TIMEOUT, "replica in sync", |n| {
+                n.role().as_deref() != Some("slave")
+                    || n.info("replication", "master_link_status").as_deref() == Some("up")
             });
         }
         cluster
+    }
+
+    /// The running nodes that are masters now.
+    pub fn masters(&self) -> Vec<&RedisServer> {
+        self.nodes
+            .iter()
+            .filter(|n| n.pid().is_some() && n.role().as_deref() == Some("master"))
+            .collect()
+    }
+
+    /// The running replicas of the master listening on `master_port`.
+    pub fn replicas_of(&self, master_port: u16) -> Vec<&RedisServer> {
+        let port = master_port.to_string();
+        self.nodes
+            .iter()
+            .filter(|n| n.pid().is_some() && n.role().as_deref() == Some("slave"))
+            .filter(|n| n.info("replication", "master_port").as_deref() == Some(port.as_str()))
+            .collect()
     }
 
     /// One Cluster shared by the tests that run at the same time; stopped when the last of

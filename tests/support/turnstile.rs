@@ -83,8 +83,42 @@ impl Turnstile {
         t
     }
 
+    /// Start several at once (each waits for its own health), in the order of `extras`.
+    pub async fn start_all(config: &Path, extras: &[Vec<String>]) -> Vec<Turnstile> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, extra) in extras.iter().enumerate() {
+            let (config, extra) = (config.to_owned(), extra.clone());
+            tasks.spawn(async move {
+                let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+                (i, Turnstile::start(&config, &extra).await)
+            });
+        }
+        let mut started: Vec<Option<Turnstile>> = extras.iter().map(|_| None).collect();
+        while let Some(joined) = tasks.join_next().await {
+            let (i, t) = joined.expect("a turnstile start-up task panicked");
+            started[i] = Some(t);
+        }
+        started.into_iter().map(|t| t.expect("started")).collect()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Whether the process still runs (it has not exited, crashed or panicked out).
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The value of one Prometheus sample, e.g.
+    /// `metric("turnstile_backend_circuit_transitions{state=\"open\"}")`; None if absent.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let (status, body) = self.http_get("/metrics").await.ok()?;
+        assert_eq!(status, 200, "/metrics answered {status}");
+        body.lines().find_map(|line| {
+            let value = line.strip_prefix(series)?.strip_prefix(' ')?;
+            value.trim().parse().ok()
+        })
     }
 
     async fn wait_healthy(&mut self) {

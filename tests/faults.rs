@@ -1,0 +1,1173 @@
+//! Backend faults with load running: Redis killed, frozen, restarted empty, its script cache
+//! flushed, a Cluster master killed and replaced by its replica; the failure policies
+//! (`error`, `allow`, `deny`, `local`, globally and per domain) and the in-flight cap.
+//!
+//! Every fault is injected while a few streams per instance call the real binary, and every
+//! answer is timed. What must hold: no instance dies; every answer comes within the Redis
+//! timeout plus a margin, and once the circuit breaker is open the bulk comes at once; every
+//! answer is either the backend's or the one the policy prescribes; after Redis is back every
+//! instance answers from Redis again within 2 s; and the counts afterwards are what the data
+//! Redis kept implies, no more.
+//!
+//! Each fault prints its measured figures (`cargo test --test faults -- --nocapture`).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
+use support::redis::{RedisCluster, RedisServer};
+use support::turnstile::{Rules, Turnstile, descriptor, request};
+use tokio::task::block_in_place;
+
+const RULES: &str = r#"
+domain: faults
+descriptors:
+  - key: signal
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+  - key: small
+    rate_limit: {unit: hour, requests_per_unit: 50}
+  - key: shared
+    rate_limit: {unit: hour, requests_per_unit: 400}
+---
+domain: open
+on_backend_error: allow
+descriptors:
+  - key: signal
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+---
+domain: closed
+on_backend_error: deny
+descriptors:
+  - key: signal
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+---
+domain: strict
+on_backend_error: error
+descriptors:
+  - key: signal
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+"#;
+
+/// The load's descriptor: a limit so high that Redis always admits, with a `limit_remaining`
+/// that tells Redis' answers (near 1e9) from the policies' (0 for allow, at most 1e9/4 for
+/// local with a share of 0.25).
+const SIGNAL_LIMIT: u32 = 1_000_000_000;
+/// The descriptor that checks the counts after a fault.
+const SMALL_LIMIT: u32 = 50;
+/// Admissions on `small` before the fault.
+const PRE_CHARGE: u32 = 20;
+const SHARED_LIMIT: u32 = 400;
+const LOCAL_SHARE: &str = "0.25";
+
+/// The Redis call timeout of the instances. 50 ms is too tight for this test machine (2 cores,
+/// debug binaries, 5 processes): without any fault, calls occasionally took up to 56 ms, and
+/// such a call is answered by the policy. 100 ms is about twice the worst seen.
+const REDIS_TIMEOUT: &str = "100ms";
+const REDIS_TIMEOUT_MS: u64 = 100;
+/// Consecutive failures that open the breaker (the default of `--breaker-failures`).
+const BREAKER_FAILURES: usize = 5;
+/// The breaker's first backoff: at most one probe per this while it is open.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Every answer within the Redis timeout plus this margin (a busy 2-core machine).
+const MAX_LATENCY: Duration = Duration::from_millis(500);
+/// Once the breaker is open, 95 % of the answers come faster than this (half the Redis
+/// timeout: they did not wait for Redis).
+const FAST: Duration = Duration::from_millis(REDIS_TIMEOUT_MS / 2);
+/// After Redis is back, every instance answers from it again within this. By design the worst
+/// case is about the breaker's longest backoff (1 s) plus the Redis client's longest reconnect
+/// delay (1 s), met at once only after outages long enough for both to reach their caps;
+/// after the 1 s outages here, measured recoveries stay under 1 s.
+const RECOVERY: Duration = Duration::from_secs(2);
+/// How long answers must keep coming from Redis for an instance to count as recovered.
+const STABLE: Duration = Duration::from_millis(300);
+/// Pause of each load stream between its calls: about 800 calls/s over 8 streams, so that the
+/// 2 cores are not saturated and latencies measure turnstile, not the CPU queue.
+const PACE: Duration = Duration::from_millis(10);
+/// How long Redis stays away.
+const OUTAGE: Duration = Duration::from_secs(1);
+/// From the fault, the policy answers every call sent after this (in flight at the fault,
+/// calls may still be answered by Redis).
+const OPENING: Duration = Duration::from_millis(250);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Policy {
+    Error,
+    Allow,
+    Deny,
+    Local,
+}
+
+impl Policy {
+    fn name(self) -> &'static str {
+        match self {
+            Policy::Error => "error",
+            Policy::Allow => "allow",
+            Policy::Deny => "deny",
+            Policy::Local => "local",
+        }
+    }
+
+    fn args(self) -> Vec<String> {
+        let mut args = vec!["--on-backend-error".to_string(), self.name().to_string()];
+        if self == Policy::Local {
+            // The over-limit cache would (rightly) go on refusing a key Redis refused for the
+            // hour; these tests are about the local share, so it is off.
+            args.extend(
+                ["--local-share", LOCAL_SHARE, "--local-cache-entries", "0"].map(String::from),
+            );
+        }
+        args
+    }
+}
+
+const POLICIES: [Policy; 4] = [Policy::Error, Policy::Allow, Policy::Deny, Policy::Local];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Style {
+    /// Redis decided.
+    Backend,
+    /// The failure policy decided.
+    Fallback,
+}
+
+/// Who decided a `signal` answer, or why it is an answer `policy` never gives.
+fn classify(policy: Policy, answer: &Answer) -> Result<Style, String> {
+    let from_redis = u64::from(SIGNAL_LIMIT) / 2;
+    match (policy, answer) {
+        (_, Answer::Ok(r)) if u64::from(r[0]) > from_redis => Ok(Style::Backend),
+        (Policy::Error, Answer::Failed(tonic::Code::Unavailable, _)) => Ok(Style::Fallback),
+        (Policy::Allow, Answer::Ok(r)) if r[0] == 0 => Ok(Style::Fallback),
+        (Policy::Deny, Answer::OverLimit(_)) => Ok(Style::Fallback),
+        (Policy::Local, Answer::Ok(r)) if r[0] <= SIGNAL_LIMIT / 4 => Ok(Style::Fallback),
+        (policy, answer) => Err(format!("{answer:?} under policy {}", policy.name())),
+    }
+}
+
+/// A stream of the load: one domain on one instance, and the policy that applies to it.
+struct Member {
+    instance: usize,
+    domain: &'static str,
+    policy: Policy,
+}
+
+impl Member {
+    fn label(&self) -> String {
+        format!("{}@{}", self.domain, self.policy.name())
+    }
+}
+
+/// Where Redis is.
+enum Store {
+    Single(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl Store {
+    fn args(&self, redis_timeout: &str) -> Vec<String> {
+        let (url, kind) = match self {
+            Store::Single(server) => (server.url(), "single"),
+            Store::Cluster(cluster) => (cluster.urls().join(","), "cluster"),
+        };
+        [
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-type",
+            kind,
+            "--redis-timeout",
+            redis_timeout,
+            "--redis-connect-timeout",
+            "1s",
+            "--request-timeout",
+            "2s",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    fn single(&mut self) -> &mut RedisServer {
+        match self {
+            Store::Single(server) => server,
+            Store::Cluster(_) => panic!("a single server was expected"),
+        }
+    }
+}
+
+struct Scenario {
+    store: Store,
+    /// The rules' directory, kept for the instances' lifetime.
+    _rules: Rules,
+    instances: Vec<Turnstile>,
+    members: Vec<Member>,
+}
+
+impl Scenario {
+    /// One instance per global policy, each with a member on the `faults` domain.
+    async fn start(store: Store, policies: &[Policy]) -> Scenario {
+        Scenario::start_with(store, policies, REDIS_TIMEOUT).await
+    }
+
+    async fn start_with(store: Store, policies: &[Policy], redis_timeout: &str) -> Scenario {
+        let rules = Rules::new(RULES);
+        let extras: Vec<Vec<String>> = policies
+            .iter()
+            .map(|p| [store.args(redis_timeout), p.args()].concat())
+            .collect();
+        let instances = Turnstile::start_all(rules.path(), &extras).await;
+        let members = policies
+            .iter()
+            .enumerate()
+            .map(|(instance, &policy)| Member {
+                instance,
+                domain: "faults",
+                policy,
+            })
+            .collect();
+        Scenario {
+            store,
+            _rules: rules,
+            instances,
+            members,
+        }
+    }
+
+    async fn targets(&self, streams_per_member: usize) -> Vec<Target> {
+        let mut targets = Vec::new();
+        for _ in 0..streams_per_member {
+            for (id, m) in self.members.iter().enumerate() {
+                targets.push(Target {
+                    id,
+                    channel: self.instances[m.instance].channel().await,
+                    request: request(m.domain, vec![descriptor(&[("signal", "load")])]),
+                });
+            }
+        }
+        targets
+    }
+
+    /// `n` calls on `faults`/`small`, spread over the instances in turn; the answers.
+    async fn small(&self, n: u32) -> Vec<Answer> {
+        let mut clients = Vec::new();
+        for t in &self.instances {
+            clients.push(RateLimitServiceClient::new(t.channel().await));
+        }
+        let mut answers = Vec::new();
+        for i in 0..n as usize {
+            let r = request("faults", vec![descriptor(&[("small", "count")])]);
+            let client = &mut clients[i % self.instances.len()];
+            let result = client.should_rate_limit(r).await;
+            answers.push(Answer::from_result(result.map(tonic::Response::into_inner)));
+        }
+        answers
+    }
+
+    fn assert_alive(&mut self, what: &str) {
+        for (i, t) in self.instances.iter_mut().enumerate() {
+            assert!(t.alive(), "{what}: instance {i} died");
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGKILL, then started again on the same port (with whatever it persisted).
+    Kill,
+    /// SIGSTOP: connections stay open, nothing answers; then SIGCONT.
+    Freeze,
+    /// Killed and started again at once, without persistence: every count is lost.
+    RestartEmpty,
+    /// SCRIPT FLUSH, several times, under load.
+    ScriptFlush,
+    /// The Cluster master owning the load's slot is killed; its replica takes over.
+    Failover,
+}
+
+struct Expect {
+    /// The fault's name in messages and figures.
+    label: &'static str,
+    /// During the outage every answer is the policy's (the fault is real and was noticed).
+    outage: bool,
+    /// Whether the policy may answer at all (not for a flushed script cache).
+    fallback: bool,
+    /// Whether Redis keeps the counts across the fault.
+    kept: bool,
+}
+
+struct Report {
+    fault_at: Instant,
+    back_at: Instant,
+    /// Per member: from Redis being back to the first answer from which every answer was
+    /// Redis' again.
+    recovery: Vec<Duration>,
+}
+
+/// When a member answered from Redis for good: the sending time of its first call after the
+/// last one the policy answered (`samples` ordered by sending time). A probe that closes the
+/// breaker may be sent before calls that still fail fast: what counts is from when on every
+/// call got Redis' answer.
+fn recovered_at(policy: Policy, samples: &[&Sample]) -> Option<Instant> {
+    let last_fallback = samples
+        .iter()
+        .rposition(|s| classify(policy, &s.answer) != Ok(Style::Backend));
+    let first = last_fallback.map_or(0, |i| i + 1);
+    samples.get(first).map(|s| s.sent)
+}
+
+/// The master (by SCAN over the running masters) holding a key that matches `pattern`.
+fn master_holding(cluster: &RedisCluster, pattern: &str) -> usize {
+    cluster
+        .nodes
+        .iter()
+        .position(|n| {
+            n.pid().is_some()
+                && n.role().as_deref() == Some("master")
+                && !n.keys(pattern).is_empty()
+        })
+        .unwrap_or_else(|| panic!("no master holds a key matching {pattern}"))
+}
+
+/// Wait until every replica has all that its master had written when called.
+fn replicas_caught_up(cluster: &RedisCluster) {
+    for master in cluster.masters() {
+        let written: u64 = master
+            .info("replication", "master_repl_offset")
+            .and_then(|v| v.parse().ok())
+            .expect("master_repl_offset");
+        for replica in cluster.replicas_of(master.port()) {
+            replica.wait_until(Duration::from_secs(10), "replica caught up", |r| {
+                r.info("replication", "slave_repl_offset")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .is_some_and(|offset| offset >= written)
+            });
+        }
+    }
+}
+
+/// Run `fault` under load on `scenario` and check everything the module promises.
+async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Report {
+    let name = expect.label;
+
+    // Before: `small` charged PRE_CHARGE times, from Redis, with exact counts.
+    let answers = scenario.small(PRE_CHARGE).await;
+    for (i, answer) in answers.iter().enumerate() {
+        assert_eq!(
+            answer,
+            &Answer::Ok(vec![SMALL_LIMIT - 1 - i as u32]),
+            "{name}: before the fault"
+        );
+    }
+    if let Store::Cluster(cluster) = &scenario.store {
+        block_in_place(|| replicas_caught_up(cluster));
+    }
+
+    let mut spec = Spec::new(scenario.targets(2).await, 2 * scenario.members.len());
+    spec.pace = PACE;
+    spec.max_time = Duration::from_secs(30);
+    let load = Load::start(spec);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The fault.
+    let fault_at = Instant::now();
+    let mut failed_master = None;
+    block_in_place(|| match fault {
+        Fault::Kill => scenario.store.single().stop(),
+        Fault::Freeze => scenario.store.single().freeze(),
+        Fault::RestartEmpty => scenario.store.single().restart(),
+        Fault::ScriptFlush => {}
+        Fault::Failover => {
+            let Store::Cluster(cluster) = &mut scenario.store else {
+                panic!("a Cluster was expected")
+            };
+            let owner = master_holding(cluster, "*signal*");
+            failed_master = Some(cluster.nodes[owner].port());
+            cluster.nodes[owner].stop();
+        }
+    });
+    match fault {
+        Fault::Kill | Fault::Freeze => tokio::time::sleep(OUTAGE).await,
+        Fault::ScriptFlush => {
+            for _ in 0..5 {
+                let server = scenario.store.single();
+                let flushed: String = block_in_place(|| server.query(&["SCRIPT", "FLUSH"]));
+                assert_eq!(flushed, "OK");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Fault::RestartEmpty | Fault::Failover => {}
+    }
+    // Redis back: from the moment the test starts bringing it back (a thaw takes effect
+    // before the `kill -CONT` that sends it returns), or for a failover from the promotion.
+    let lift_at = Instant::now();
+    block_in_place(|| match fault {
+        Fault::Kill => scenario.store.single().restart(),
+        Fault::Freeze => scenario.store.single().thaw(),
+        Fault::RestartEmpty | Fault::ScriptFlush => {}
+        Fault::Failover => {
+            let Store::Cluster(cluster) = &scenario.store else {
+                unreachable!()
+            };
+            let port = failed_master.expect("a master was killed");
+            // Its replica knows it as its master until it takes over.
+            let replica = cluster
+                .nodes
+                .iter()
+                .find(|n| {
+                    n.pid().is_some()
+                        && n.info("replication", "master_port").as_deref()
+                            == Some(port.to_string().as_str())
+                })
+                .expect("the killed master's replica");
+            replica.wait_until(Duration::from_secs(20), "the replica took over", |r| {
+                r.role().as_deref() == Some("master")
+                    && r.try_query::<String>(&["CLUSTER", "INFO"])
+                        .is_ok_and(|info| info.contains("cluster_state:ok"))
+            });
+        }
+    });
+    let back_at = Instant::now();
+    let lift_at = if fault == Fault::Failover {
+        back_at
+    } else {
+        lift_at
+    };
+
+    // Until every member answers from Redis again, steadily (bounded). Calls still in flight
+    // are not in a snapshot: the margin lets them land before the final check.
+    let give_up = back_at + RECOVERY + Duration::from_secs(3);
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut samples = load.snapshot();
+        samples.sort_by_key(|s| s.sent);
+        let steady = (0..scenario.members.len()).all(|id| {
+            let mine: Vec<&Sample> = samples.iter().filter(|s| s.target == id).collect();
+            let policy = scenario.members[id].policy;
+            match (recovered_at(policy, &mine), mine.last()) {
+                (Some(since), Some(last)) => {
+                    last.sent >= since + STABLE + Duration::from_millis(100)
+                        && last.sent >= back_at + STABLE
+                }
+                _ => false,
+            }
+        });
+        if steady || Instant::now() > give_up {
+            break;
+        }
+    }
+    let samples = load.stop().await;
+    scenario.assert_alive(name);
+
+    // Every answer is Redis' or the policy's, and comes in time.
+    let mut recovery = Vec::new();
+    for (id, member) in scenario.members.iter().enumerate() {
+        let label = member.label();
+        let mine: Vec<&Sample> = samples.iter().filter(|s| s.target == id).collect();
+        assert!(
+            mine.len() > 100,
+            "{name} {label}: only {} calls",
+            mine.len()
+        );
+        let styles: Vec<Style> = mine
+            .iter()
+            .map(|s| {
+                classify(member.policy, &s.answer).unwrap_or_else(|wrong| {
+                    panic!("{name} {label}: at +{:?}: {wrong}", s.sent - fault_at)
+                })
+            })
+            .collect();
+        let before: Vec<Style> = mine
+            .iter()
+            .zip(&styles)
+            .filter(|(s, _)| s.answered < fault_at)
+            .map(|(_, st)| *st)
+            .collect();
+        assert!(
+            !before.is_empty() && before.iter().all(|st| *st == Style::Backend),
+            "{name} {label}: Redis did not answer before the fault"
+        );
+        if !expect.fallback {
+            let fell_back = styles.iter().filter(|st| **st == Style::Fallback).count();
+            assert_eq!(
+                fell_back, 0,
+                "{name} {label}: {fell_back} calls failed over"
+            );
+        }
+        if expect.outage {
+            let during: Vec<Style> = mine
+                .iter()
+                .zip(&styles)
+                .filter(|(s, _)| s.sent >= fault_at + OPENING && s.answered <= lift_at)
+                .map(|(_, st)| *st)
+                .collect();
+            assert!(
+                during.len() >= 20,
+                "{name} {label}: only {} calls during the outage",
+                during.len()
+            );
+            let from_redis: Vec<String> = mine
+                .iter()
+                .zip(&styles)
+                .filter(|(s, st)| {
+                    s.sent >= fault_at + OPENING && s.answered <= lift_at && **st == Style::Backend
+                })
+                .map(|(s, _)| {
+                    format!(
+                        "sent +{:?} answered +{:?}: {:?}",
+                        s.sent - fault_at,
+                        s.answered - fault_at,
+                        s.answer
+                    )
+                })
+                .collect();
+            assert!(
+                from_redis.is_empty(),
+                "{name} {label}: Redis answered during the outage (lifted at +{:?}): {from_redis:?}",
+                lift_at - fault_at
+            );
+        }
+        let recovered_at = recovered_at(member.policy, &mine)
+            .unwrap_or_else(|| panic!("{name} {label}: never answered from Redis again"));
+        let took = recovered_at.saturating_duration_since(lift_at);
+        assert!(
+            took <= RECOVERY,
+            "{name} {label}: answered from Redis again only {took:?} after it was back"
+        );
+        let after_lift: Vec<String> = mine
+            .iter()
+            .zip(&styles)
+            .filter(|(s, st)| s.sent >= lift_at && **st == Style::Fallback)
+            .map(|(s, _)| {
+                format!(
+                    "+{:?} {:?} in {:?}",
+                    s.sent - lift_at,
+                    s.answer,
+                    s.latency()
+                )
+            })
+            .collect();
+        assert!(
+            mine.last().unwrap().sent >= recovered_at + STABLE,
+            "{name} {label}: not steadily answering from Redis when the load stopped (last call +{:?}); policy answers after Redis was back: {after_lift:?}",
+            mine.last().unwrap().sent - lift_at
+        );
+        recovery.push(took);
+    }
+    let latencies = |from: Instant, to: Instant| -> Vec<Duration> {
+        samples
+            .iter()
+            .filter(|s| s.sent >= from && s.sent <= to)
+            .map(Sample::latency)
+            .collect()
+    };
+    let all = latencies(samples[0].sent, samples.last().unwrap().sent);
+    let max = *all.iter().max().unwrap();
+    assert!(
+        max < MAX_LATENCY,
+        "{name}: an answer took {max:?} (Redis timeout {REDIS_TIMEOUT})"
+    );
+    let open = latencies(fault_at + OPENING, lift_at);
+    let mut most_waited = 0;
+    if expect.outage {
+        let p95 = quantile(&open, 0.95);
+        assert!(
+            p95 < FAST,
+            "{name}: with the breaker open, 95 % of the answers took up to {p95:?}"
+        );
+        // The breaker lets through the calls that open it, those in flight meanwhile, and
+        // then one probe per backoff (at least FIRST_BACKOFF): only those wait for Redis.
+        // Without it, every call of the outage would.
+        let outage = lift_at - fault_at;
+        let bound = BREAKER_FAILURES
+            + 2 * scenario.members.len()
+            + (outage.as_millis() / FIRST_BACKOFF.as_millis()) as usize;
+        for instance in 0..scenario.instances.len() {
+            let waited = samples
+                .iter()
+                .filter(|s| scenario.members[s.target].instance == instance)
+                .filter(|s| s.sent >= fault_at && s.sent <= lift_at)
+                .filter(|s| s.latency() >= Duration::from_millis(REDIS_TIMEOUT_MS))
+                .count();
+            most_waited = most_waited.max(waited);
+            assert!(
+                waited <= bound,
+                "{name}: instance {instance}: {waited} calls waited for the Redis timeout during the outage (at most {bound} with a breaker)"
+            );
+        }
+    }
+
+    // After: `small` continues from what Redis kept, and admits no more than that.
+    let kept = if expect.kept { PRE_CHARGE } else { 0 };
+    let answers = scenario.small(2 * SMALL_LIMIT).await;
+    let admitted = answers.iter().filter(|a| a.admitted()).count() as u32;
+    assert!(
+        answers.iter().all(|a| !a.failed()),
+        "{name}: after recovery a call failed: {answers:?}"
+    );
+    assert_eq!(
+        admitted,
+        SMALL_LIMIT - kept,
+        "{name}: after the fault, {admitted} admitted on a limit of {SMALL_LIMIT} with {kept} kept"
+    );
+
+    let during = latencies(
+        fault_at,
+        back_at + recovery.iter().max().copied().unwrap_or_default(),
+    );
+    let per_member: Vec<String> = scenario
+        .members
+        .iter()
+        .zip(&recovery)
+        .map(|(m, r)| format!("{} {} ms", m.label(), r.as_millis()))
+        .collect();
+    let baseline = latencies(samples[0].sent, fault_at);
+    let open_figures = if expect.outage {
+        format!(
+            "breaker open p50/p95 {:.2?}/{:.2?}, at most {most_waited} calls per instance waited for the timeout",
+            quantile(&open, 0.5),
+            quantile(&open, 0.95)
+        )
+    } else {
+        "no outage".to_string()
+    };
+    println!(
+        "[faults] {name:<13} calls={:<5} max latency during fault {:>6.1?} (whole run {:.1?}); baseline p50/p95/max {:.2?}/{:.2?}/{:.1?}, {open_figures}; recovery {} ms (max) [{}]; after: {admitted} admitted on {SMALL_LIMIT} with {kept} kept",
+        samples.len(),
+        during.iter().max().copied().unwrap_or_default(),
+        max,
+        quantile(&baseline, 0.5),
+        quantile(&baseline, 0.95),
+        baseline.iter().max().copied().unwrap_or_default(),
+        recovery
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or_default()
+            .as_millis(),
+        per_member.join(", "),
+    );
+    Report {
+        fault_at,
+        back_at,
+        recovery,
+    }
+}
+
+// ---- the faults ----------------------------------------------------------------------------
+
+/// Redis killed for a second, then started again from its append-only file: every policy
+/// answers during the outage, all recover, and the counts continue. The metrics record it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_then_restarted() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start_persistent();
+    let mut scenario = Scenario::start(Store::Single(redis), &POLICIES).await;
+    let expect = Expect {
+        label: "kill",
+        outage: true,
+        fallback: true,
+        kept: true,
+    };
+    exercise(&mut scenario, Fault::Kill, expect).await;
+    for (t, policy) in scenario.instances.iter().zip(POLICIES) {
+        let opened = t
+            .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+            .await;
+        assert!(
+            opened.is_some_and(|n| n >= 1.0),
+            "{policy:?}: circuit opened {opened:?} times"
+        );
+        let mut errors = 0.0;
+        for kind in ["backend_unavailable", "backend_timeout", "circuit_open"] {
+            let series =
+                format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
+            errors += t.metric(&series).await.unwrap_or(0.0);
+        }
+        assert!(errors > 0.0, "{policy:?}: no backend errors counted");
+        let open = t.metric("turnstile_backend_circuit_open").await;
+        assert_eq!(open, Some(0.0), "{policy:?}: the circuit closed again");
+    }
+}
+
+/// Redis frozen (SIGSTOP: it accepts, never answers) for a second, then resumed (SIGCONT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_then_resumed() {
+    let _serial = load::serial().await;
+    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
+    let expect = Expect {
+        label: "freeze",
+        outage: true,
+        fallback: true,
+        kept: true,
+    };
+    exercise(&mut scenario, Fault::Freeze, expect).await;
+}
+
+/// Redis restarted at once, without persistence: the counts start again, the service goes on
+/// and the limits hold from zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_empty() {
+    let _serial = load::serial().await;
+    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
+    let expect = Expect {
+        label: "restart-empty",
+        outage: false,
+        fallback: true,
+        kept: false,
+    };
+    exercise(&mut scenario, Fault::RestartEmpty, expect).await;
+}
+
+/// SCRIPT FLUSH five times under load: the script is sent again, no request fails over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_under_load_fails_no_request() {
+    let _serial = load::serial().await;
+    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
+    let expect = Expect {
+        label: "script-flush",
+        outage: false,
+        fallback: false,
+        kept: true,
+    };
+    let report = exercise(&mut scenario, Fault::ScriptFlush, expect).await;
+    assert!(report.recovery.iter().all(Duration::is_zero));
+}
+
+/// A Cluster of 3 masters with a replica each; the master owning the load's slot is killed
+/// and its replica takes over (automatic failover, cluster-node-timeout 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_master_killed_and_its_replica_promoted() {
+    let _serial = load::serial().await;
+    let cluster = block_in_place(|| RedisCluster::start_with(3, 1, "cluster-node-timeout 1000\n"));
+    let mut scenario = Scenario::start(Store::Cluster(cluster), &POLICIES).await;
+    let expect = Expect {
+        label: "failover",
+        outage: true,
+        fallback: true,
+        kept: true,
+    };
+    let report = exercise(&mut scenario, Fault::Failover, expect).await;
+    println!(
+        "[faults] failover      outage (kill to promotion) {:.2?}",
+        report.back_at - report.fault_at
+    );
+}
+
+/// A domain's `on_backend_error` overrides the global flag, both ways: on an instance whose
+/// flag is `error`, domains saying `allow` and `deny`; on one whose flag is `allow`, a domain
+/// saying `error`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domains_on_backend_error_overrides_the_global_flag() {
+    let _serial = load::serial().await;
+    let mut scenario = Scenario::start(
+        Store::Single(RedisServer::start()),
+        &[Policy::Error, Policy::Allow],
+    )
+    .await;
+    scenario.members.extend([
+        Member {
+            instance: 0,
+            domain: "open",
+            policy: Policy::Allow,
+        },
+        Member {
+            instance: 0,
+            domain: "closed",
+            policy: Policy::Deny,
+        },
+        Member {
+            instance: 1,
+            domain: "strict",
+            policy: Policy::Error,
+        },
+    ]);
+    let expect = Expect {
+        label: "domain-policy",
+        outage: true,
+        fallback: true,
+        kept: false,
+    };
+    exercise(&mut scenario, Fault::Kill, expect).await;
+}
+
+/// `local` with a share of 0.25 on four instances: the limit (400 per hour) is spent in Redis
+/// before the outage; while Redis is frozen each instance admits exactly a quarter of it
+/// alone; once Redis is back, Redis' full count refuses everything again. The counts are
+/// exact, so a Redis call that merely ran late before the outage (and was answered locally)
+/// would blur them: this test gives Redis 200 ms instead of 50.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_mode_admits_its_share_of_the_limit_per_instance() {
+    let _serial = load::serial().await;
+    let store = Store::Single(RedisServer::start());
+    let mut scenario = Scenario::start_with(store, &[Policy::Local; 4], "200ms").await;
+    let shared = request("faults", vec![descriptor(&[("shared", "all")])]);
+    let mut targets = Vec::new();
+    for _ in 0..2 {
+        for (id, t) in scenario.instances.iter().enumerate() {
+            targets.push(Target {
+                id,
+                channel: t.channel().await,
+                request: shared.clone(),
+            });
+        }
+    }
+    let mut spec = Spec::new(targets, 8);
+    spec.pace = PACE;
+    spec.max_time = Duration::from_secs(30);
+    let load = Load::start(spec);
+    // Spend the limit in Redis, and see it refuse for a while.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let samples = load.snapshot();
+        let admitted = samples.iter().filter(|s| s.answer.admitted()).count();
+        let refused = samples.iter().filter(|s| !s.answer.admitted()).count();
+        if admitted >= SHARED_LIMIT as usize && refused >= 100 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the limit was not spent in time");
+    }
+    let fault_at = Instant::now();
+    block_in_place(|| scenario.store.single().freeze());
+    // Long enough for every instance to be asked well over its share after the breaker opens.
+    tokio::time::sleep(2 * OUTAGE).await;
+    block_in_place(|| scenario.store.single().thaw());
+    let back_at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let samples = load.stop().await;
+    scenario.assert_alive("local");
+
+    let failed: Vec<&Sample> = samples.iter().filter(|s| s.answer.failed()).collect();
+    assert!(failed.is_empty(), "local: calls failed: {:?}", failed[0]);
+    // Calls in flight at the freeze time out and are answered locally: what counts is when
+    // a call was answered.
+    let before = samples
+        .iter()
+        .filter(|s| s.answered < fault_at && s.answer.admitted())
+        .count();
+    assert_eq!(
+        before,
+        SHARED_LIMIT as usize,
+        "Redis admitted the limit (and nothing fell back to local before the fault: {:?})",
+        samples
+            .iter()
+            .filter(|s| s.answered < fault_at && s.latency() > Duration::from_millis(40))
+            .map(|s| (s.latency(), &s.answer))
+            .collect::<Vec<_>>()
+    );
+    let share = (f64::from(SHARED_LIMIT) * 0.25) as usize;
+    for id in 0..scenario.instances.len() {
+        let alone = samples
+            .iter()
+            .filter(|s| s.target == id && s.answered >= fault_at && s.answer.admitted())
+            .count();
+        assert_eq!(
+            alone, share,
+            "instance {id} admitted {alone} alone; its share is {share}"
+        );
+    }
+    let after = samples
+        .iter()
+        .filter(|s| s.sent >= back_at && s.answer.admitted())
+        .count();
+    assert!(
+        samples.iter().filter(|s| s.sent >= back_at).count() > 100,
+        "too few calls after the outage"
+    );
+    assert_eq!(
+        after, 0,
+        "admitted after Redis was back, whose count is full"
+    );
+    let max = samples.iter().map(Sample::latency).max().unwrap();
+    assert!(max < MAX_LATENCY, "local: an answer took {max:?}");
+    let during = samples
+        .iter()
+        .filter(|s| s.sent >= fault_at && s.sent <= back_at)
+        .map(Sample::latency)
+        .max()
+        .unwrap();
+    println!(
+        "[faults] local share  {} calls; Redis admitted {before} of {SHARED_LIMIT}; frozen {:?}: each of 4 instances admitted {share} alone (= L x 0.25); after: 0; max latency during fault {during:.1?}",
+        samples.len(),
+        back_at - fault_at,
+    );
+}
+
+/// The in-flight cap: Redis frozen, `--max-in-flight 2 --redis-timeout 1s` and a breaker that
+/// never opens, so every call that gets in waits 1 s. Ten streams on ten connections: never
+/// more than two calls in the service, and every other call refused at once with
+/// RESOURCE_EXHAUSTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_flight_cap_refuses_the_excess_at_once() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let args = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout",
+        "1s",
+        "--max-in-flight",
+        "2",
+        "--breaker-failures",
+        "1000000",
+        "--request-timeout",
+        "5s",
+    ];
+    let mut t = Turnstile::start(rules.path(), &args).await;
+    let signal = request("faults", vec![descriptor(&[("signal", "cap")])]);
+    let mut targets = Vec::new();
+    for id in 0..10 {
+        targets.push(Target {
+            id,
+            channel: t.channel().await,
+            request: signal.clone(),
+        });
+    }
+    redis.freeze();
+    let frozen_at = Instant::now();
+    let mut spec = Spec::new(targets, 10);
+    spec.pace = Duration::from_millis(5);
+    spec.max_time = Duration::from_millis(2_500);
+    let samples = Load::start(spec).finish().await;
+    redis.thaw();
+    assert!(t.alive(), "the instance died");
+
+    let (waited, shed): (Vec<&Sample>, Vec<&Sample>) = samples
+        .iter()
+        .partition(|s| !matches!(s.answer, Answer::Failed(tonic::Code::ResourceExhausted, _)));
+    for s in &waited {
+        assert!(
+            matches!(s.answer, Answer::Failed(tonic::Code::Unavailable, _)),
+            "a call that got in: {:?}",
+            s.answer
+        );
+        assert!(
+            s.latency() >= Duration::from_millis(950) && s.latency() < Duration::from_millis(1_500),
+            "a call that got in was answered in {:?}, the Redis timeout is 1 s",
+            s.latency()
+        );
+    }
+    // Never more than two in the service at once. The spans are the client's, wider than the
+    // server's by a round trip: a call may be sent while the answer freeing its slot travels.
+    // Each span is narrowed by far more than a round trip, far less than the 1 s wait.
+    let round_trip = Duration::from_millis(50);
+    let mut edges: Vec<(Instant, i32)> = waited
+        .iter()
+        .flat_map(|s| [(s.sent + round_trip, 1), (s.answered - round_trip, -1)])
+        .collect();
+    edges.sort();
+    let (mut now, mut most) = (0, 0);
+    for (_, step) in edges {
+        now += step;
+        most = most.max(now);
+    }
+    assert!(most <= 2, "{most} calls were in the service at once");
+    assert!(
+        waited.len() >= 4,
+        "only {} calls got in over {:?}: the slots were not reused",
+        waited.len(),
+        samples.last().unwrap().answered - frozen_at
+    );
+    assert!(shed.len() >= 100, "only {} calls were refused", shed.len());
+    let shed_latency: Vec<Duration> = shed.iter().map(|s| s.latency()).collect();
+    let shed_max = *shed_latency.iter().max().unwrap();
+    assert!(
+        shed_max < Duration::from_millis(200),
+        "a refusal took {shed_max:?}"
+    );
+    println!(
+        "[faults] in-flight    {} calls with Redis frozen: {} got in (answered UNAVAILABLE after 0.95-1.5 s, at most {most} at once), {} refused RESOURCE_EXHAUSTED, p99 {:.2?}, max {shed_max:.2?}",
+        samples.len(),
+        waited.len(),
+        shed.len(),
+        quantile(&shed_latency, 0.99),
+    );
+}
+
+/// A call whose client deadline is shorter than the Redis timeout is cancelled by the server
+/// (tonic drops the handler at the `grpc-timeout`), as Envoy's rate-limit filter does with
+/// its 20 ms default against turnstile's 25 ms. When that call is the breaker's one probe,
+/// the breaker must not stay half-open for ever: once Redis is back, the service recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_cut_short_by_the_clients_deadline_is_answered_by_policy_and_does_not_wedge_the_breaker()
+ {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let args = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout",
+        "300ms",
+        "--breaker-failures",
+        "2",
+        "--on-backend-error",
+        "allow",
+    ];
+    let t = Turnstile::start(rules.path(), &args).await;
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let call = |deadline: Option<Duration>| {
+        let mut r =
+            tonic::Request::new(request("faults", vec![descriptor(&[("signal", "wedge")])]));
+        if let Some(deadline) = deadline {
+            r.set_timeout(deadline);
+        }
+        r
+    };
+    let from_redis = |answer: &Answer| classify(Policy::Allow, answer) == Ok(Style::Backend);
+    let first = Answer::from_result(
+        client
+            .should_rate_limit(call(None))
+            .await
+            .map(tonic::Response::into_inner),
+    );
+    assert!(from_redis(&first), "{first:?}");
+
+    block_in_place(|| redis.freeze());
+    // Two calls wait out the Redis timeout: the breaker opens.
+    let (a, b) = {
+        let (mut c1, mut c2) = (client.clone(), client.clone());
+        tokio::join!(
+            c1.should_rate_limit(call(None)),
+            c2.should_rate_limit(call(None))
+        )
+    };
+    for answer in [a, b] {
+        let answer = Answer::from_result(answer.map(tonic::Response::into_inner));
+        assert_eq!(answer, Answer::Ok(vec![0]), "allowed by the policy");
+    }
+    // Past the first backoff, the next call is the probe. Its deadline (50 ms) is shorter
+    // than the Redis timeout: the policy answers within the deadline, and the unfinished
+    // probe counts as a failed one.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let sent = Instant::now();
+    let probe = client
+        .should_rate_limit(call(Some(Duration::from_millis(50))))
+        .await;
+    let answered_in = sent.elapsed();
+    let probe = Answer::from_result(probe.map(tonic::Response::into_inner));
+    assert_eq!(
+        probe,
+        Answer::Ok(vec![0]),
+        "allowed by the policy before the deadline"
+    );
+    assert!(answered_in < Duration::from_millis(50), "{answered_in:?}");
+    block_in_place(|| redis.thaw());
+    let back_at = Instant::now();
+
+    let mut recovered = None;
+    let mut last = None;
+    while back_at.elapsed() < Duration::from_secs(4) {
+        let answer = Answer::from_result(
+            client
+                .should_rate_limit(call(None))
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        if from_redis(&answer) {
+            recovered = Some(back_at.elapsed());
+            break;
+        }
+        last = Some(answer);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let opened = t
+        .metric("turnstile_backend_circuit_open")
+        .await
+        .unwrap_or(-1.0);
+    let took = recovered.unwrap_or_else(|| {
+        panic!(
+            "no answer from Redis within 4 s after it was back (last: {last:?}, circuit open gauge {opened}): the cancelled probe left the breaker half-open"
+        )
+    });
+    assert!(took <= RECOVERY, "recovered only after {took:?}");
+    println!(
+        "[faults] cancelled probe: recovered {} ms after Redis was back",
+        took.as_millis()
+    );
+}
+
+/// Redis over its `maxmemory` refuses the script with OOM, which turnstile reports as "full"
+/// (not a failure). When the breaker's probe gets that answer, the breaker must still leave
+/// its half-open state: once Redis has memory again, the service recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answered_out_of_memory_does_not_wedge_the_breaker() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let args = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout",
+        "300ms",
+        "--breaker-failures",
+        "2",
+        "--on-backend-error",
+        "allow",
+    ];
+    let t = Turnstile::start(rules.path(), &args).await;
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let mut call = async || {
+        let r = request("faults", vec![descriptor(&[("signal", "oom")])]);
+        Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        )
+    };
+    let from_redis = |answer: &Answer| classify(Policy::Allow, answer) == Ok(Style::Backend);
+    let first = call().await;
+    assert!(from_redis(&first), "{first:?}");
+
+    // Two calls wait out the Redis timeout: the breaker opens.
+    block_in_place(|| redis.freeze());
+    for _ in 0..2 {
+        assert_eq!(call().await, Answer::Ok(vec![0]), "allowed by the policy");
+    }
+    // Redis answers again, but refuses every script for lack of memory; the probe meets that.
+    block_in_place(|| {
+        redis.thaw();
+        let _: String = redis.query(&["CONFIG", "SET", "maxmemory", "1"]);
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let during = call().await;
+    assert_eq!(
+        during,
+        Answer::Ok(vec![0]),
+        "out of memory, the policy answers"
+    );
+    block_in_place(|| {
+        let _: String = redis.query(&["CONFIG", "SET", "maxmemory", "0"]);
+    });
+    let back_at = Instant::now();
+    let mut recovered = None;
+    let mut last = None;
+    while back_at.elapsed() < Duration::from_secs(4) {
+        let answer = call().await;
+        if from_redis(&answer) {
+            recovered = Some(back_at.elapsed());
+            break;
+        }
+        last = Some(answer);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = recovered.unwrap_or_else(|| {
+        panic!(
+            "no answer from Redis within 4 s after it had memory again (last: {last:?}): the breaker stayed half-open"
+        )
+    });
+    assert!(took <= RECOVERY, "recovered only after {took:?}");
+    println!(
+        "[faults] OOM probe: recovered {} ms after Redis had memory again",
+        took.as_millis()
+    );
+}
