@@ -26,12 +26,17 @@ fn push_escaped(out: &mut String, text: &str) {
     }
 }
 
-/// `<domain>|<key>=<value>|...[|@<override unit>]|<algorithm>:<window seconds>`.
+/// The shard of a limit split over several sub-limits (`shards`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard(pub u32);
+
+/// `<domain>|<key>=<value>|...[|@<override unit>]|<algorithm>:<window seconds>[|#<shard>]`.
 pub fn limit_key<'a>(
     domain: &str,
     entries: impl IntoIterator<Item = (&'a str, &'a str)>,
     override_unit: Option<Unit>,
     limit: &Limit,
+    shard: Option<Shard>,
 ) -> String {
     let mut key = String::with_capacity(64);
     push_escaped(&mut key, domain);
@@ -45,6 +50,9 @@ pub fn limit_key<'a>(
         let _ = write!(key, "|@{}", unit.name());
     }
     let _ = write!(key, "|{}:{}", limit.algorithm.name(), limit.window);
+    if let Some(Shard(shard)) = shard {
+        let _ = write!(key, "|#{shard}");
+    }
     key
 }
 
@@ -63,17 +71,18 @@ mod tests {
     #[test]
     fn separators_in_data_cannot_collide_or_open_a_hash_tag() {
         let l = with(Algorithm::FixedWindow, Unit::Minute);
-        let a = limit_key("d", [("a_b", "c")], None, &l);
-        let b = limit_key("d", [("a", "b_c")], None, &l);
+        let a = limit_key("d", [("a_b", "c")], None, &l, None);
+        let b = limit_key("d", [("a", "b_c")], None, &l, None);
         assert_ne!(a, b);
-        let c = limit_key("d", [("a", "b|x=y")], None, &l);
-        let d = limit_key("d", [("a", "b"), ("x", "y")], None, &l);
+        let c = limit_key("d", [("a", "b|x=y")], None, &l, None);
+        let d = limit_key("d", [("a", "b"), ("x", "y")], None, &l, None);
         assert_ne!(c, d);
         let braces = limit_key(
             "d{",
             [("}", "%")],
             None,
             &with(Algorithm::TokenBucket, Unit::Second),
+            None,
         );
         assert_eq!(braces, "d%7B|%7D=%25|token_bucket:1");
     }
@@ -82,9 +91,9 @@ mod tests {
     fn overrides_algorithms_and_windows_are_separate_state_but_numbers_are_not() {
         let entries = [("user", "alice")];
         let minute = with(Algorithm::FixedWindow, Unit::Minute);
-        let plain = limit_key("d", entries, None, &minute);
+        let plain = limit_key("d", entries, None, &minute, None);
         assert_eq!(plain, "d|user=alice|fixed_window:60");
-        let overridden = limit_key("d", entries, Some(Unit::Minute), &minute);
+        let overridden = limit_key("d", entries, Some(Unit::Minute), &minute, None);
         assert_eq!(overridden, "d|user=alice|@MINUTE|fixed_window:60");
         assert_ne!(
             plain,
@@ -92,7 +101,8 @@ mod tests {
                 "d",
                 entries,
                 None,
-                &with(Algorithm::TokenBucket, Unit::Minute)
+                &with(Algorithm::TokenBucket, Unit::Minute),
+                None,
             )
         );
         assert_ne!(
@@ -101,10 +111,13 @@ mod tests {
                 "d",
                 entries,
                 None,
-                &with(Algorithm::FixedWindow, Unit::Hour)
+                &with(Algorithm::FixedWindow, Unit::Hour),
+                None,
             )
         );
+        let sharded = limit_key("d", entries, None, &minute, Some(Shard(3)));
+        assert_eq!(sharded, "d|user=alice|fixed_window:60|#3");
         let raised = Limit::fixed(99, Unit::Minute);
-        assert_eq!(plain, limit_key("d", entries, None, &raised));
+        assert_eq!(plain, limit_key("d", entries, None, &raised, None));
     }
 }

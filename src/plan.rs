@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use crate::backend::{Hit, Outcome, Role};
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::fallback::FailurePolicy;
-use crate::key::limit_key;
+use crate::key::{Shard, limit_key};
 use crate::limit::Limit;
 use crate::request::{CheckRequest, Descriptor};
 
@@ -70,6 +70,17 @@ pub struct Plan<'a> {
     pub unknown_domain: bool,
     /// The domain's own failure policy, when its rules set one.
     pub on_backend_error: Option<FailurePolicy>,
+}
+
+/// Shard `shard` of `shards` of `limit`: the limit and burst divided so the shards add up
+/// exactly to the whole (the first `n % shards` get one more).
+fn shard_of(limit: Limit, Shard(shard): Shard, shards: u32) -> Limit {
+    let share = |n: u32| n / shards + u32::from(shard < n % shards);
+    Limit {
+        requests_per_unit: share(limit.requests_per_unit),
+        burst: share(limit.burst).max(1),
+        ..limit
+    }
 }
 
 /// The descriptor's entries, with a rule's `share_threshold` patterns in place of the values
@@ -171,16 +182,12 @@ impl<'a> Plan<'a> {
         rule: Option<&'a Rule>,
         replaced: &HashSet<&str>,
     ) -> Decision<'a> {
-        let (limit, also, shared, applied) = match (descriptor.limit_override, rule) {
+        let (limit, also, shared, shards, applied) = match (descriptor.limit_override, rule) {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor, &[]));
-                (
-                    limit,
-                    &[][..],
-                    &[][..],
-                    ("override", stats_key, Role::Enforce),
-                )
+                let applied = ("override", stats_key, Role::Enforce);
+                (limit, &[][..], &[][..], 1, applied)
             }
             (None, None) => return Decision::NoLimit,
             (None, Some(rule)) => {
@@ -207,15 +214,27 @@ impl<'a> Plan<'a> {
                     limit,
                     rule.also.as_slice(),
                     rule.shared.as_slice(),
+                    rule.shards,
                     (name, stats_key, role),
                 )
             }
         };
         let (name, stats_key, role) = applied;
-        let hit = self.hit(domain, descriptor, shared, limit, role);
+        // A limit split over shards: this request lands on one of them, at random, and is
+        // judged against that shard's share.
+        let shard = (shards > 1).then(|| Shard(fastrand::u32(..shards)));
+        let place = |limit: Limit| match shard {
+            Some(shard) => (shard_of(limit, shard, shards), Some(shard)),
+            None => (limit, None),
+        };
+        let (limit, at) = place(limit);
+        let hit = self.hit(domain, descriptor, shared, limit, at, role);
         let also = also
             .iter()
-            .map(|&limit| self.hit(domain, descriptor, shared, limit, role))
+            .map(|&limit| {
+                let (limit, at) = place(limit);
+                self.hit(domain, descriptor, shared, limit, at, role)
+            })
             .collect();
         Decision::Limited(Applied {
             name,
@@ -235,6 +254,7 @@ impl<'a> Plan<'a> {
         descriptor: &Descriptor<'_>,
         shared: &[Option<String>],
         limit: Limit,
+        shard: Option<Shard>,
         role: Role,
     ) -> usize {
         let key = limit_key(
@@ -242,6 +262,7 @@ impl<'a> Plan<'a> {
             entries(descriptor, shared),
             descriptor.limit_override.map(|o| o.unit),
             &limit,
+            shard,
         );
         match self.hits.iter().position(|h| h.key == key) {
             Some(same) => {
@@ -258,5 +279,21 @@ impl<'a> Plan<'a> {
                 self.hits.len() - 1
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::Unit;
+
+    #[test]
+    fn shards_add_up_to_the_whole_limit() {
+        let limit = Limit::fixed(10, Unit::Second);
+        let shares: Vec<u32> = (0..4)
+            .map(|s| shard_of(limit, Shard(s), 4).requests_per_unit)
+            .collect();
+        assert_eq!(shares, [3, 3, 2, 2]);
+        assert_eq!(shares.iter().sum::<u32>(), 10);
     }
 }

@@ -1257,3 +1257,51 @@ async fn retry_times_are_when_admission_resumes() {
         "admission resumed {worst:.1} ms after the reported time"
     );
 }
+
+// ---- hot-key shards ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_sharded_limit_spreads_one_hot_key_over_cluster_nodes_and_never_exceeds_the_limit() {
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let cluster = RedisCluster::shared();
+    let rules = Rules::new(
+        "domain: hot\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: hour, requests_per_unit: 100, shards: 8}\n",
+    );
+    let urls = cluster.urls().join(",");
+    let t = Turnstile::start_with(
+        &["--config", rules.path().to_str().unwrap()],
+        &[
+            ("REDIS_URL", urls.as_str()),
+            ("REDIS_TYPE", "cluster"),
+            ("TURNSTILE_REDIS_TIMEOUT", "2s"),
+            ("CACHE_KEY_PREFIX", "shards:"),
+        ],
+    )
+    .await;
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    let mut client = t.client().await;
+    let mut admitted = 0;
+    for _ in 0..400 {
+        let answer = client
+            .should_rate_limit(request("hot", vec![descriptor(&[("tenant", "big")])]))
+            .await
+            .unwrap()
+            .into_inner();
+        if answer.overall_code
+            == envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code::Ok as i32
+        {
+            admitted += 1;
+        }
+    }
+    assert!(admitted <= 100, "admitted {admitted} of 100");
+    // 400 requests over 8 shards of 12 or 13: every shard is spent, barring an unlucky draw.
+    assert!(admitted >= 95, "admitted only {admitted} of 100");
+    let keys = cluster.keys("shards:*");
+    let nodes: std::collections::HashSet<u16> = keys.iter().map(|(_, node)| node.port()).collect();
+    assert!(keys.len() >= 8, "{} keys", keys.len());
+    assert!(
+        nodes.len() >= 2,
+        "one hot key spread over {} node(s)",
+        nodes.len()
+    );
+}

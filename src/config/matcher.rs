@@ -133,6 +133,9 @@ pub struct Rule {
     pub limit: Option<Limit>,
     /// Further limits on the same descriptor (a `rate_limit` list), all enforced at once.
     pub also: Vec<Limit>,
+    /// Independent sub-limits the limit is split over (1: not split); each request lands on
+    /// one at random, with its share of the limit.
+    pub shards: u32,
     /// Per level of the rule's path, the wildcard pattern whose matches share one counter
     /// (`share_threshold`), used in place of the request's value in the counter's key.
     pub shared: Vec<Option<String>>,

@@ -8,9 +8,9 @@
 use super::ConfigError;
 use super::yaml::{self, Kind, Node, Pos};
 
-/// The reference's allow-list plus our additive `algorithm`, `burst`, `window` and
+/// The reference's allow-list plus our additive `algorithm`, `burst`, `window`, `shards` and
 /// `on_backend_error`.
-const KNOWN_KEYS: [&str; 20] = [
+const KNOWN_KEYS: [&str; 21] = [
     "domain",
     "key",
     "value",
@@ -31,6 +31,7 @@ const KNOWN_KEYS: [&str; 20] = [
     "burst",
     "on_backend_error",
     "window",
+    "shards",
 ];
 
 /// A value with the position it was written at, for fields whose errors are found later.
@@ -83,6 +84,8 @@ pub struct RateLimitSpec {
     pub burst: Option<Spanned<u32>>,
     /// A custom window, e.g. `30s`, `5m`.
     pub window: Option<Spanned<String>>,
+    /// Split the limit over this many independent sub-limits (hot keys).
+    pub shards: Option<Spanned<u32>>,
     pub pos: Pos,
 }
 
@@ -308,6 +311,7 @@ impl Reader<'_> {
             algorithm: None,
             burst: None,
             window: None,
+            shards: None,
             pos: node.pos,
         };
         for (key, value) in entries {
@@ -323,6 +327,7 @@ impl Reader<'_> {
                 "algorithm" => spec.algorithm = self.spanned_string(value, name),
                 "burst" => spec.burst = self.uint(value, name),
                 "window" => spec.window = self.spanned_string(value, name),
+                "shards" => spec.shards = self.uint(value, name),
                 _ => {}
             }
         }

@@ -16,6 +16,9 @@ use crate::limit::{Algorithm, Limit, Unit};
 /// state one key can hold.
 pub const SLIDING_WINDOW_MAX_LIMIT: u32 = 10_000;
 
+/// The most sub-limits one limit may be split over.
+pub const MAX_SHARDS: u32 = 64;
+
 /// Accumulates domains across documents and files, rejecting duplicates (or, with
 /// `merge_domains`, merging a domain's descriptors across files, as the reference's
 /// MERGE_DOMAIN_CONFIG does: a descriptor defined twice is still an error).
@@ -232,6 +235,7 @@ impl Check<'_> {
             full_key,
             limit,
             also,
+            shards: self.shards(rate_limit, limit.as_ref()),
             shared: Vec::new(),
             shadow_mode: spec.shadow_mode,
             quota_mode: spec.quota_mode,
@@ -242,6 +246,26 @@ impl Check<'_> {
                 .map(|r| r.value.clone())
                 .collect(),
         }
+    }
+
+    /// `shards`: at least 1, at most the limit (each shard must admit something) and at most
+    /// MAX_SHARDS.
+    fn shards(&mut self, rate_limit: &RateLimitSpec, limit: Option<&Limit>) -> u32 {
+        let Some(shards) = &rate_limit.shards else {
+            return 1;
+        };
+        let most = limit.map_or(1, |l| l.requests_per_unit.min(MAX_SHARDS));
+        if shards.value == 0 || shards.value > most {
+            self.error(
+                shards.pos,
+                format!(
+                    "shards must be from 1 to {most} (at most {MAX_SHARDS}, and at most requests_per_unit), found {}",
+                    shards.value
+                ),
+            );
+            return 1;
+        }
+        shards.value
     }
 
     /// An unlimited rule enforces nothing, so fields that shape a limit are mistakes. Like the
@@ -512,6 +536,32 @@ mod tests {
                 "v.yaml:6:9: name and replaces belong on the first limit of a rate_limit list",
             ]
         );
+    }
+
+    #[test]
+    fn shards_are_bounded_by_the_limit() {
+        let shards = |n: &str| {
+            one_rule(&format!(
+                "unit: second\n      requests_per_unit: 10\n      shards: {n}"
+            ))
+        };
+        let rules = shards("4").unwrap();
+        assert_eq!(
+            rules
+                .domain("d")
+                .unwrap()
+                .lookup([("k", "x")])
+                .unwrap()
+                .shards,
+            4
+        );
+        assert_eq!(
+            shards("11").unwrap_err(),
+            [
+                "v.yaml:7:15: shards must be from 1 to 10 (at most 64, and at most requests_per_unit), found 11"
+            ]
+        );
+        assert!(shards("0").is_err());
     }
 
     #[test]
