@@ -1,9 +1,10 @@
 -- One request's hits, evaluated in one atomic call on Redis time.
 --
 -- KEYS[i] is hit i's key (all of them share one slot when there are several). ARGV: mode,
--- nonce, then 6 values per hit: algorithm, limit, window seconds, burst, cost, and a last
--- value that is the role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the
--- stamp the charging call replied. A refund passes every hit of the charging call, in the same
+-- nonce, then 7 values per hit: algorithm, limit, window seconds, burst, cost, a lease
+-- ('+<id>' taken, '-<id>' given back, '' none: concurrency limits only), and a last value
+-- that is the role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the stamp the
+-- charging call replied. A lease given back always applies: its request is over. A refund passes every hit of the charging call, in the same
 -- order (members are named after their index), with cost 0 for the hits that were not charged.
 --
 -- Modes. 'atomic': check every hit, then charge the admitted ones only if the request as a
@@ -19,7 +20,7 @@ local mode, nonce = ARGV[1], ARGV[2]
 
 local hits = {}
 for i = 1, #KEYS do
-  local a = 2 + (i - 1) * 6
+  local a = 2 + (i - 1) * 7
   hits[i] = {
     key = KEYS[i],
     algorithm = ALGORITHMS[ARGV[a + 1]],
@@ -27,8 +28,9 @@ for i = 1, #KEYS do
     window = tonumber(ARGV[a + 3]),
     burst = tonumber(ARGV[a + 4]),
     hits = tonumber(ARGV[a + 5]),
-    role = ARGV[a + 6],
-    stamp = ARGV[a + 6],
+    lease = ARGV[a + 6],
+    role = ARGV[a + 7],
+    stamp = ARGV[a + 7],
     member = nonce .. ':' .. i,
   }
 end
@@ -59,7 +61,7 @@ local charge = mode == 'each' or not (enforced_refused or (quota_seen and quota_
 local reply = {}
 for i, h in ipairs(hits) do
   local v = verdicts[i]
-  if charge and v.admitted and h.hits > 0 then
+  if string.sub(h.lease, 1, 1) == '-' or (charge and v.admitted and h.hits > 0) then
     h.algorithm.commit(h, now, v)
   end
   reply[#reply + 1] = v.admitted and 1 or 0

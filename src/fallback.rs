@@ -124,6 +124,7 @@ mod tests {
             limit: Limit::fixed(limit, Unit::Hour),
             hits: 1,
             role: Role::Enforce,
+            lease: None,
         }
     }
 

@@ -111,13 +111,16 @@ pub enum Algorithm {
     /// GCRA: a token bucket stored as one theoretical arrival time; `burst` back to back, then
     /// the steady rate.
     TokenBucket,
+    /// At most `requests_per_unit` requests in flight; each lease lasts at most one window.
+    Concurrency,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 3] = [
+    pub const ALL: [Algorithm; 4] = [
         Algorithm::FixedWindow,
         Algorithm::SlidingWindow,
         Algorithm::TokenBucket,
+        Algorithm::Concurrency,
     ];
 
     pub fn name(self) -> &'static str {
@@ -125,6 +128,7 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 

@@ -8,11 +8,12 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 
+use crate::algorithm::LeaseOp;
 use crate::backend::{Hit, Outcome, Role};
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::fallback::FailurePolicy;
 use crate::key::{Shard, limit_key};
-use crate::limit::Limit;
+use crate::limit::{Algorithm, Limit};
 use crate::request::{CheckRequest, Descriptor};
 
 /// The rule (or request override) that governs a descriptor.
@@ -70,6 +71,21 @@ pub struct Plan<'a> {
     pub unknown_domain: bool,
     /// The domain's own failure policy, when its rules set one.
     pub on_backend_error: Option<FailurePolicy>,
+}
+
+/// A concurrency limit's lease: named by the descriptor's last entry (the request), given
+/// back on negative hits, taken otherwise (unless the call only reads).
+fn lease(descriptor: &Descriptor<'_>, limit: &Limit) -> Option<(LeaseOp, String)> {
+    if limit.algorithm != Algorithm::Concurrency {
+        return None;
+    }
+    let (_, id) = descriptor.entries.last()?;
+    let op = match (descriptor.release, descriptor.hits) {
+        (true, _) => LeaseOp::Release,
+        (false, 0) => return None,
+        (false, _) => LeaseOp::Acquire,
+    };
+    Some((op, (*id).to_owned()))
 }
 
 /// Shard `shard` of `shards` of `limit`: the limit and burst divided so the shards add up
@@ -264,7 +280,12 @@ impl<'a> Plan<'a> {
             &limit,
             shard,
         );
-        match self.hits.iter().position(|h| h.key == key) {
+        let lease = lease(descriptor, &limit);
+        match self
+            .hits
+            .iter()
+            .position(|h| h.key == key && h.lease == lease)
+        {
             Some(same) => {
                 self.hits[same].hits = self.hits[same].hits.saturating_add(descriptor.hits);
                 same
@@ -275,6 +296,7 @@ impl<'a> Plan<'a> {
                     limit,
                     hits: descriptor.hits,
                     role,
+                    lease,
                 });
                 self.hits.len() - 1
             }

@@ -42,6 +42,9 @@ pub struct Descriptor<'r> {
     pub limit_override: Option<Override>,
     /// Units this descriptor costs; 0 reads without charging.
     pub hits: u64,
+    /// Envoy's negative hits (`is_negative_hits`): a concurrency limit's lease is given back;
+    /// other limits only read.
+    pub release: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,9 +158,8 @@ impl<'r> Descriptor<'r> {
             })
             .transpose()?;
         // A descriptor's own addend wins, including 0 ("check only"). Costs are capped at
-        // u32::MAX: any larger cost is over every limit just the same. Negative hits (a
-        // refund Envoy may send when a stream ends) are not applied: the descriptor is
-        // read without charging.
+        // u32::MAX: any larger cost is over every limit just the same. Negative hits (sent
+        // when a stream ends) charge nothing: they give back a concurrency lease, or read.
         let hits = if descriptor.is_negative_hits {
             0
         } else {
@@ -170,6 +172,7 @@ impl<'r> Descriptor<'r> {
             entries,
             limit_override,
             hits,
+            release: descriptor.is_negative_hits,
         })
     }
 }

@@ -61,6 +61,7 @@ fn hit(key: &str, limit: Limit, hits: u64) -> Hit {
         limit,
         hits,
         role: Role::Enforce,
+        lease: None,
     }
 }
 
@@ -1304,4 +1305,67 @@ async fn a_sharded_limit_spreads_one_hot_key_over_cluster_nodes_and_never_exceed
         "one hot key spread over {} node(s)",
         nodes.len()
     );
+}
+
+// ---- concurrency limits --------------------------------------------------------------------
+
+#[tokio::test]
+async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: cc\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: request_id\n        rate_limit: {algorithm: concurrency, requests_per_unit: 3, window: 2s}\n",
+    );
+    let extra: Vec<String> = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &server.url(),
+        "--redis-timeout",
+        "2s",
+    ]
+    .map(String::from)
+    .to_vec();
+    let instances = Turnstile::start_all(rules.path(), &vec![extra; 4]).await;
+    let mut next = 0;
+    let mut call = async |id: &str, release: bool| {
+        let mut r = request(
+            "cc",
+            vec![descriptor(&[("tenant", "t1"), ("request_id", id)])],
+        );
+        r.descriptors[0].is_negative_hits = release;
+        next += 1;
+        let answer = instances[next % 4].call(r).await.unwrap();
+        (
+            Code::try_from(answer.overall_code).unwrap(),
+            answer.statuses[0].limit_remaining,
+        )
+    };
+    assert_eq!(call("r1", false).await, (Code::Ok, 2));
+    assert_eq!(call("r2", false).await, (Code::Ok, 1));
+    assert_eq!(call("r3", false).await, (Code::Ok, 0));
+    assert_eq!(
+        call("r4", false).await.0,
+        Code::OverLimit,
+        "a fourth in flight"
+    );
+    assert_eq!(
+        call("r2", false).await,
+        (Code::Ok, 0),
+        "a retry holds its own lease"
+    );
+    // The stream-done call of a request that was refused gives nothing back.
+    assert_eq!(call("r4", true).await.0, Code::Ok);
+    assert_eq!(call("r5", false).await.0, Code::OverLimit);
+    // r1 is done: its place is free, on any instance.
+    assert_eq!(call("r1", true).await, (Code::Ok, 1));
+    assert_eq!(call("r5", false).await, (Code::Ok, 0));
+    assert_eq!(call("r6", false).await.0, Code::OverLimit);
+    // Lost stream-done calls: the leases expire after the window (2 s).
+    sleep(Duration::from_millis(2_100)).await;
+    assert_eq!(call("r6", false).await, (Code::Ok, 2));
+    let keys = server.keys("*");
+    assert_eq!(keys.len(), 1, "one sorted set for the tenant: {keys:?}");
+    assert!(keys[0].contains("request_id=*"), "{keys:?}");
 }

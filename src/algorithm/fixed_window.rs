@@ -5,7 +5,7 @@
 //! and familiar; its known weakness is up to 2x the limit in a span of one window that
 //! straddles a boundary.
 
-use super::{Algorithm, MICROS_PER_SECOND, Micros, Verdict, clamp_u32};
+use super::{Algorithm, Cost, MICROS_PER_SECOND, Micros, Verdict, clamp_u32};
 use crate::limit::Limit;
 
 pub struct FixedWindow;
@@ -27,7 +27,8 @@ impl Algorithm for FixedWindow {
     type State = State;
     const LUA: &'static str = include_str!("../../lua/fixed_window.lua");
 
-    fn check(state: &State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+        let hits = cost.units;
         let start = window_start(limit, now);
         let count = if state.window_start == start {
             state.count
@@ -48,7 +49,8 @@ impl Algorithm for FixedWindow {
         }
     }
 
-    fn commit(state: &mut State, limit: &Limit, now: Micros, hits: u64) {
+    fn commit(state: &mut State, limit: &Limit, now: Micros, cost: Cost<'_>) {
+        let hits = cost.units;
         let start = window_start(limit, now);
         if state.window_start != start {
             *state = State {
@@ -72,9 +74,9 @@ mod tests {
     const T0: Micros = 1_699_999_980 * MICROS_PER_SECOND; // a minute boundary
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = FixedWindow::check(state, limit, now, hits);
+        let v = FixedWindow::check(state, limit, now, Cost::units(hits));
         if v.admitted {
-            FixedWindow::commit(state, limit, now, hits);
+            FixedWindow::commit(state, limit, now, Cost::units(hits));
         }
         v
     }

@@ -6,6 +6,7 @@
 //! algorithm also ships the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
 //! Redis backend runs on Redis time; the memory backend calls the Rust side directly.
 
+pub mod concurrency;
 pub mod fixed_window;
 pub mod sliding_window;
 pub mod token_bucket;
@@ -28,6 +29,31 @@ pub struct Verdict {
     pub reset_after: Micros,
 }
 
+/// What a concurrency limit's hit does with its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseOp {
+    /// Take a lease for the request (a request's call on the request path).
+    Acquire,
+    /// Give it back (Envoy's call when the stream is done, with negative hits).
+    Release,
+}
+
+/// What one hit asks of an algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cost<'a> {
+    /// Units to charge; 0 reads without charging.
+    pub units: u64,
+    /// For a concurrency limit: the request's lease and what to do with it.
+    pub lease: Option<(LeaseOp, &'a str)>,
+}
+
+impl Cost<'_> {
+    /// A plain cost of `units`, with no lease.
+    pub fn units(units: u64) -> Cost<'static> {
+        Cost { units, lease: None }
+    }
+}
+
 /// One algorithm's arithmetic. Implementations are stateless; the state lives in a backend.
 pub trait Algorithm {
     /// One key's state. `Default` is the state of a key never hit (or expired).
@@ -36,11 +62,12 @@ pub trait Algorithm {
     /// The Lua twin of `check`/`commit`, registered in the Redis batch driver.
     const LUA: &'static str;
 
-    /// Decide whether `hits` units fit, without changing anything.
-    fn check(state: &Self::State, limit: &Limit, now: Micros, hits: u64) -> Verdict;
+    /// Decide whether `cost` fits, without changing anything.
+    fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict;
 
-    /// Record `hits` units that `check` admitted at the same `now`.
-    fn commit(state: &mut Self::State, limit: &Limit, now: Micros, hits: u64);
+    /// Record a `cost` that `check` admitted at the same `now` (or a lease release, which
+    /// always applies).
+    fn commit(state: &mut Self::State, limit: &Limit, now: Micros, cost: Cost<'_>);
 
     /// The instant after which the state is equivalent to `Default`, so it can be dropped.
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;

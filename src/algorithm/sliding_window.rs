@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Algorithm, Micros, Verdict, clamp_u32, window_micros};
+use super::{Algorithm, Cost, Micros, Verdict, clamp_u32, window_micros};
 use crate::limit::Limit;
 
 pub struct SlidingWindow;
@@ -45,7 +45,8 @@ impl Algorithm for SlidingWindow {
     type State = State;
     const LUA: &'static str = include_str!("../../lua/sliding_window.lua");
 
-    fn check(state: &State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+        let hits = cost.units;
         let window = window_micros(limit);
         let limit_units = u64::from(limit.requests_per_unit);
         let live_total: u64 = state.live(limit, now).map(|(_, cost)| cost).sum();
@@ -83,7 +84,8 @@ impl Algorithm for SlidingWindow {
         }
     }
 
-    fn commit(state: &mut State, limit: &Limit, now: Micros, hits: u64) {
+    fn commit(state: &mut State, limit: &Limit, now: Micros, cost: Cost<'_>) {
+        let hits = cost.units;
         state.trim(limit, now);
         if hits > 0 {
             state.entries.push_back((now, hits));
@@ -116,9 +118,9 @@ mod tests {
     }
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = SlidingWindow::check(state, limit, now, hits);
+        let v = SlidingWindow::check(state, limit, now, Cost::units(hits));
         if v.admitted {
-            SlidingWindow::commit(state, limit, now, hits);
+            SlidingWindow::commit(state, limit, now, Cost::units(hits));
         }
         v
     }

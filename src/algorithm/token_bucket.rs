@@ -5,7 +5,7 @@
 //! cost n at time t is admitted when `max(TAT, t) + n*T - burst*T <= t`. Refused hits write
 //! nothing. O(1) state and no window boundary to exploit.
 
-use super::{Algorithm, Micros, Verdict, window_micros};
+use super::{Algorithm, Cost, Micros, Verdict, window_micros};
 use crate::limit::Limit;
 
 pub struct TokenBucket;
@@ -29,7 +29,8 @@ impl Algorithm for TokenBucket {
     type State = State;
     const LUA: &'static str = include_str!("../../lua/token_bucket.lua");
 
-    fn check(state: &State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+        let hits = cost.units;
         let refused_for = |after: f64| Verdict {
             admitted: false,
             remaining: 0,
@@ -58,7 +59,8 @@ impl Algorithm for TokenBucket {
         }
     }
 
-    fn commit(state: &mut State, limit: &Limit, now: Micros, hits: u64) {
+    fn commit(state: &mut State, limit: &Limit, now: Micros, cost: Cost<'_>) {
+        let hits = cost.units;
         if let Some(t) = emission_interval(limit) {
             state.tat = state.tat.max(now as f64) + hits as f64 * t;
         }
@@ -89,9 +91,9 @@ mod tests {
     }
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = TokenBucket::check(state, limit, now, hits);
+        let v = TokenBucket::check(state, limit, now, Cost::units(hits));
         if v.admitted {
-            TokenBucket::commit(state, limit, now, hits);
+            TokenBucket::commit(state, limit, now, Cost::units(hits));
         }
         v
     }

@@ -12,10 +12,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{Backend, BackendError, Charging, Hit, Outcome, request_refused};
+use crate::algorithm::concurrency::{self, Concurrency};
 use crate::algorithm::fixed_window::{self, FixedWindow};
 use crate::algorithm::sliding_window::{self, SlidingWindow};
 use crate::algorithm::token_bucket::{self, TokenBucket};
-use crate::algorithm::{Algorithm, Micros, Verdict};
+use crate::algorithm::{Algorithm, Cost, Micros, Verdict};
 use crate::limit::{Algorithm as Kind, Limit};
 
 const SHARDS: usize = 64;
@@ -27,6 +28,7 @@ enum KeyState {
     Fixed(fixed_window::State),
     Sliding(sliding_window::State),
     Bucket(token_bucket::State),
+    Leases(concurrency::State),
 }
 
 struct Entry {
@@ -65,42 +67,47 @@ macro_rules! stored {
 stored!(FixedWindow, Fixed);
 stored!(SlidingWindow, Sliding);
 stored!(TokenBucket, Bucket);
+stored!(Concurrency, Leases);
 
 type Shard = HashMap<String, Entry>;
 
-fn check<A: Stored>(entry: Option<&Entry>, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+fn check<A: Stored>(entry: Option<&Entry>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
     let live = entry
         .filter(|e| e.expires_at > now)
         .and_then(|e| A::get(&e.state));
     match live {
-        Some(state) => A::check(state, limit, now, hits),
-        None => A::check(&A::State::default(), limit, now, hits),
+        Some(state) => A::check(state, limit, now, cost),
+        None => A::check(&A::State::default(), limit, now, cost),
     }
 }
 
-fn commit<A: Stored>(entry: &mut Entry, limit: &Limit, now: Micros, hits: u64) {
+fn commit<A: Stored>(entry: &mut Entry, limit: &Limit, now: Micros, cost: Cost<'_>) {
     if entry.expires_at <= now || A::get(&entry.state).is_none() {
         entry.state = A::wrap(A::State::default());
     }
     if let Some(state) = A::get_mut(&mut entry.state) {
-        A::commit(state, limit, now, hits);
+        A::commit(state, limit, now, cost);
         entry.expires_at = A::expires_at(state, limit);
     }
 }
 
-fn check_any(entry: Option<&Entry>, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Verdict {
+    let (limit, cost) = (&hit.limit, hit.cost());
     match limit.algorithm {
-        Kind::FixedWindow => check::<FixedWindow>(entry, limit, now, hits),
-        Kind::SlidingWindow => check::<SlidingWindow>(entry, limit, now, hits),
-        Kind::TokenBucket => check::<TokenBucket>(entry, limit, now, hits),
+        Kind::FixedWindow => check::<FixedWindow>(entry, limit, now, cost),
+        Kind::SlidingWindow => check::<SlidingWindow>(entry, limit, now, cost),
+        Kind::TokenBucket => check::<TokenBucket>(entry, limit, now, cost),
+        Kind::Concurrency => check::<Concurrency>(entry, limit, now, cost),
     }
 }
 
-fn commit_any(entry: &mut Entry, limit: &Limit, now: Micros, hits: u64) {
+fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
+    let (limit, cost) = (&hit.limit, hit.cost());
     match limit.algorithm {
-        Kind::FixedWindow => commit::<FixedWindow>(entry, limit, now, hits),
-        Kind::SlidingWindow => commit::<SlidingWindow>(entry, limit, now, hits),
-        Kind::TokenBucket => commit::<TokenBucket>(entry, limit, now, hits),
+        Kind::FixedWindow => commit::<FixedWindow>(entry, limit, now, cost),
+        Kind::SlidingWindow => commit::<SlidingWindow>(entry, limit, now, cost),
+        Kind::TokenBucket => commit::<TokenBucket>(entry, limit, now, cost),
+        Kind::Concurrency => commit::<Concurrency>(entry, limit, now, cost),
     }
 }
 
@@ -193,7 +200,7 @@ impl MemoryBackend {
         let verdicts: Vec<Verdict> = hits
             .iter()
             .zip(&held)
-            .map(|(h, &g)| check_any(guards[g].get(&h.key), &h.limit, now, h.hits))
+            .map(|(h, &g)| check_any(guards[g].get(&h.key), h, now))
             .collect();
         let charge = charging == Charging::PerDescriptor
             || !request_refused(
@@ -202,11 +209,9 @@ impl MemoryBackend {
                     .map(|(h, v)| (h.role, v.admitted)),
             );
 
-        if charge {
-            for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
-                if v.admitted && h.hits > 0 {
-                    self.charge(&mut guards[g], h, now)?;
-                }
+        for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
+            if h.releases() || (charge && v.admitted && h.hits > 0) {
+                self.charge(&mut guards[g], h, now)?;
             }
         }
         Ok(verdicts
@@ -221,7 +226,7 @@ impl MemoryBackend {
 
     fn charge(&self, shard: &mut Shard, hit: &Hit, now: Micros) -> Result<(), BackendError> {
         if let Some(entry) = shard.get_mut(&hit.key) {
-            commit_any(entry, &hit.limit, now, hit.hits);
+            commit_any(entry, hit, now);
             return Ok(());
         }
         if shard.len() >= self.max_keys_per_shard {
@@ -237,7 +242,7 @@ impl MemoryBackend {
             state: KeyState::Fixed(fixed_window::State::default()),
             expires_at: 0,
         };
-        commit_any(&mut entry, &hit.limit, now, hit.hits);
+        commit_any(&mut entry, hit, now);
         shard.insert(hit.key.clone(), entry);
         Ok(())
     }
@@ -271,6 +276,7 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algorithm::LeaseOp;
     use crate::backend::Role;
     use crate::limit::Unit;
 
@@ -282,6 +288,7 @@ mod tests {
             limit,
             hits: 1,
             role,
+            lease: None,
         }
     }
 
@@ -335,8 +342,15 @@ mod tests {
                 algorithm,
                 ..Limit::fixed(1, Unit::Second)
             };
-            let h = hit(algorithm.name(), limit, Role::Enforce);
-            let run = |now| b.evaluate_now(std::slice::from_ref(&h), Charging::Atomic, now);
+            // Each call is a request of its own (for a concurrency limit, its own lease).
+            let run = |now: Micros| {
+                let h = Hit {
+                    lease: (algorithm == Kind::Concurrency)
+                        .then(|| (LeaseOp::Acquire, format!("request-{now}"))),
+                    ..hit(algorithm.name(), limit, Role::Enforce)
+                };
+                b.evaluate_now(&[h], Charging::Atomic, now)
+            };
             assert!(run(T0).unwrap()[0].admitted, "{algorithm}");
             assert!(!run(T0 + 1).unwrap()[0].admitted, "{algorithm}");
         }

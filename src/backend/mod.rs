@@ -15,6 +15,7 @@ pub mod redis;
 use std::future::Future;
 use std::time::Duration;
 
+use crate::algorithm::{Cost, LeaseOp};
 use crate::limit::Limit;
 
 /// How a hit's verdict bears on the request's.
@@ -35,6 +36,24 @@ pub struct Hit {
     pub limit: Limit,
     pub hits: u64,
     pub role: Role,
+    /// For a concurrency limit: the request's lease, taken or given back.
+    pub lease: Option<(LeaseOp, String)>,
+}
+
+impl Hit {
+    /// What the algorithm is asked.
+    pub fn cost(&self) -> Cost<'_> {
+        Cost {
+            units: self.hits,
+            lease: self.lease.as_ref().map(|(op, id)| (*op, id.as_str())),
+        }
+    }
+
+    /// A lease given back: applied whatever the rest of the request says, since the request
+    /// it belonged to is over.
+    pub fn releases(&self) -> bool {
+        matches!(self.lease, Some((LeaseOp::Release, _)))
+    }
 }
 
 /// When a request is refused, what its admitted hits cost.

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use super::{Backend, BackendError, Charging, Hit, Outcome, Role};
-use crate::limit::Limit;
+use crate::limit::{Algorithm, Limit};
 use crate::metrics::Metrics;
 
 const SHARDS: usize = 16;
@@ -33,6 +33,12 @@ pub struct OverLimitCache<B> {
     hasher: RandomState,
     max_per_shard: usize,
     metrics: Arc<Metrics>,
+}
+
+/// Refusals that hold until their reset: enforced, charging hits; not concurrency limits,
+/// whose leases can come back at any moment.
+fn cacheable(hit: &Hit) -> bool {
+    hit.role == Role::Enforce && hit.hits > 0 && hit.limit.algorithm != Algorithm::Concurrency
 }
 
 impl<B: Backend> OverLimitCache<B> {
@@ -55,7 +61,7 @@ impl<B: Backend> OverLimitCache<B> {
 
     /// The cached refusal that applies to `hit` now, if any.
     fn cached(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
-        if self.max_per_shard == 0 || hit.role != Role::Enforce || hit.hits == 0 {
+        if self.max_per_shard == 0 || !cacheable(hit) {
             return None;
         }
         let refusal = *self.shard(&hit.key).get(&hit.key)?;
@@ -71,8 +77,7 @@ impl<B: Backend> OverLimitCache<B> {
     fn remember(&self, hit: &Hit, outcome: &Outcome, now: Instant) {
         if self.max_per_shard == 0
             || outcome.admitted
-            || hit.role != Role::Enforce
-            || hit.hits == 0
+            || !cacheable(hit)
             || outcome.reset_after.is_zero()
         {
             return;

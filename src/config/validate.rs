@@ -176,6 +176,23 @@ impl Check<'_> {
                 if shared.iter().any(Option::is_some) {
                     rule.shared = shared.clone();
                 }
+                let concurrency = |l: &Limit| l.algorithm == Algorithm::Concurrency;
+                if rule.limit.iter().chain(&rule.also).any(concurrency) {
+                    // The last entry names the request (its lease); the limit counts per the
+                    // entries before it, so that value is left out of the state's key.
+                    if shared.len() < 2 {
+                        self.error(
+                            spec.pos,
+                            "a concurrency limit needs a last descriptor entry naming the request \
+                             (such as x-request-id), below the entries naming what is limited"
+                                .to_owned(),
+                        );
+                    }
+                    rule.shared = shared.clone();
+                    if let Some(last) = rule.shared.last_mut() {
+                        *last = Some("*".to_owned());
+                    }
+                }
                 rules.push(rule);
                 rules.len() - 1
             });
@@ -335,7 +352,7 @@ impl Check<'_> {
                     self.error(
                         name.pos,
                         format!(
-                            "invalid algorithm '{}' (expected fixed_window, sliding_window or token_bucket)",
+                            "invalid algorithm '{}' (expected fixed_window, sliding_window, token_bucket or concurrency)",
                             name.value
                         ),
                     );
@@ -707,7 +724,7 @@ mod tests {
         assert_eq!(
             one_rule("unit: second\n      algorithm: leaky_bucket").unwrap_err(),
             [
-                "v.yaml:6:18: invalid algorithm 'leaky_bucket' (expected fixed_window, sliding_window or token_bucket)"
+                "v.yaml:6:18: invalid algorithm 'leaky_bucket' (expected fixed_window, sliding_window, token_bucket or concurrency)"
             ]
         );
     }

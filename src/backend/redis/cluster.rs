@@ -75,7 +75,7 @@ impl Job {
             let mut call = Call::new(Mode::Each, &self.nonce, self.shared.key_layout);
             for &i in group {
                 let (key, hit) = &self.hits[i];
-                call.push(key.clone(), &hit.limit, hit.hits, role_letter(hit.role));
+                call.push(key.clone(), hit, hit.hits, role_letter(hit.role));
             }
             call
         });
@@ -117,7 +117,7 @@ impl Job {
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };
-                    call.push(key.clone(), &hit.limit, cost, verdicts[i].stamp.to_string());
+                    call.push(key.clone(), hit, cost, verdicts[i].stamp.to_string());
                 }
                 call
             });

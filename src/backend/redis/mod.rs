@@ -204,7 +204,7 @@ impl Backend for RedisBackend {
         };
         let mut call = Call::new(mode, &nonce, shared.key_layout);
         for (key, hit) in keys.into_iter().zip(hits) {
-            call.push(key, &hit.limit, hit.hits, script::role_letter(hit.role));
+            call.push(key, hit, hit.hits, script::role_letter(hit.role));
         }
         let replies = shared.run(&call, shared.call_timeout).await?;
         Ok(replies.into_iter().map(|r| r.outcome).collect())

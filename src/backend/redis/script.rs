@@ -11,11 +11,12 @@ use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 use super::KeyLayout;
 use super::connect::Pool;
 use crate::algorithm::Algorithm;
+use crate::algorithm::LeaseOp;
+use crate::algorithm::concurrency::Concurrency;
 use crate::algorithm::fixed_window::FixedWindow;
 use crate::algorithm::sliding_window::SlidingWindow;
 use crate::algorithm::token_bucket::TokenBucket;
-use crate::backend::{BackendError, Outcome, Role};
-use crate::limit::Limit;
+use crate::backend::{BackendError, Hit, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
 struct Batch {
@@ -29,6 +30,7 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
         FixedWindow::LUA,
         SlidingWindow::LUA,
         TokenBucket::LUA,
+        Concurrency::LUA,
         include_str!("../../../lua/batch.lua"),
     ]
     .join("\n");
@@ -88,8 +90,15 @@ impl Call {
         }
     }
 
-    /// Add one hit; `last` is the role letter, or in a refund the stamp the charge replied.
-    pub(super) fn push(&mut self, key: String, limit: &Limit, hits: u64, last: String) {
+    /// Add one hit costing `hits`; `last` is the role letter, or in a refund the stamp the
+    /// charge replied.
+    pub(super) fn push(&mut self, key: String, hit: &Hit, hits: u64, last: String) {
+        let limit = &hit.limit;
+        let lease = match &hit.lease {
+            Some((LeaseOp::Acquire, id)) => format!("+{id}"),
+            Some((LeaseOp::Release, id)) => format!("-{id}"),
+            None => String::new(),
+        };
         self.keys.push(key);
         self.args.extend([
             self.layout.script_algorithm(limit).into(),
@@ -97,6 +106,7 @@ impl Call {
             limit.window.to_string(),
             limit.burst.to_string(),
             hits.to_string(),
+            lease,
             last,
         ]);
     }

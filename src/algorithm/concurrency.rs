@@ -1,0 +1,141 @@
+//! Concurrency: at most `requests_per_unit` requests in flight per key, through the plain
+//! rate-limit protocol.
+//!
+//! Envoy calls on the request path (a lease is taken) and, with `apply_on_stream_done` and
+//! negative hits, again when the stream ends (the lease is given back). Each lease is named
+//! by the request (the descriptor's last entry, e.g. its `x-request-id`), so a stream-done
+//! call for a request that was refused gives back nothing, and a repeated call does not take
+//! a second lease. A lease also expires one window after it was taken, so a crashed stream
+//! or a lost stream-done call cannot leak capacity: the window is the longest a request may
+//! hold its lease.
+
+use std::collections::HashMap;
+
+use super::{Algorithm, Cost, LeaseOp, Micros, Verdict, clamp_u32, window_micros};
+use crate::limit::Limit;
+
+pub struct Concurrency;
+
+/// Leases in flight: request → expiry.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct State {
+    leases: HashMap<String, Micros>,
+}
+
+impl State {
+    fn live(&self, now: Micros) -> impl Iterator<Item = (&String, &Micros)> {
+        self.leases.iter().filter(move |(_, expiry)| **expiry > now)
+    }
+
+    fn holds(&self, id: &str, now: Micros) -> bool {
+        self.leases.get(id).is_some_and(|expiry| *expiry > now)
+    }
+}
+
+impl Algorithm for Concurrency {
+    type State = State;
+    const LUA: &'static str = include_str!("../../lua/concurrency.lua");
+
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+        let max = u64::from(limit.requests_per_unit);
+        let live = state.live(now).count() as u64;
+        let window = window_micros(limit);
+        let ok = |in_flight: u64| Verdict {
+            admitted: true,
+            remaining: clamp_u32(max.saturating_sub(in_flight)),
+            reset_after: window,
+        };
+        match cost.lease {
+            Some((LeaseOp::Release, id)) => ok(live - u64::from(state.holds(id, now))),
+            Some((LeaseOp::Acquire, id)) if state.holds(id, now) => ok(live),
+            Some((LeaseOp::Acquire, _)) if cost.units > 0 => {
+                if live < max {
+                    ok(live + 1)
+                } else {
+                    // Refused until the oldest lease expires, at the latest (a release can
+                    // free a place sooner).
+                    let first = state.live(now).map(|(_, e)| *e).min();
+                    Verdict {
+                        admitted: false,
+                        remaining: 0,
+                        reset_after: first.map_or(window, |e| e - now),
+                    }
+                }
+            }
+            _ => ok(live),
+        }
+    }
+
+    fn commit(state: &mut State, limit: &Limit, now: Micros, cost: Cost<'_>) {
+        state.leases.retain(|_, expiry| *expiry > now);
+        match cost.lease {
+            Some((LeaseOp::Acquire, id)) => {
+                state
+                    .leases
+                    .insert(id.to_owned(), now + window_micros(limit));
+            }
+            Some((LeaseOp::Release, id)) => {
+                state.leases.remove(id);
+            }
+            None => {}
+        }
+    }
+
+    fn expires_at(state: &State, _limit: &Limit) -> Micros {
+        state.leases.values().copied().max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::MICROS_PER_SECOND;
+    use crate::limit::{Algorithm as Kind, Unit};
+
+    const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
+
+    fn run(state: &mut State, limit: &Limit, now: Micros, op: LeaseOp, id: &str) -> Verdict {
+        let cost = Cost {
+            units: 1,
+            lease: Some((op, id)),
+        };
+        let v = Concurrency::check(state, limit, now, cost);
+        if v.admitted {
+            Concurrency::commit(state, limit, now, cost);
+        }
+        v
+    }
+
+    #[test]
+    fn n_in_flight_then_refusal_until_one_is_released_or_expires() {
+        let limit = Limit {
+            algorithm: Kind::Concurrency,
+            ..Limit::fixed(2, Unit::Minute)
+        };
+        let mut s = State::default();
+        let acquire = |s: &mut State, now, id| run(s, &limit, now, LeaseOp::Acquire, id);
+        assert_eq!(acquire(&mut s, T0, "a").remaining, 1);
+        assert_eq!(acquire(&mut s, T0, "b").remaining, 0);
+        let refused = acquire(&mut s, T0 + 1, "c");
+        assert!(!refused.admitted);
+        assert_eq!(
+            refused.reset_after,
+            60 * MICROS_PER_SECOND - 1,
+            "when a's lease expires"
+        );
+        assert!(
+            acquire(&mut s, T0 + 2, "a").admitted,
+            "a holds its lease already"
+        );
+        // A release for a request that holds nothing gives back nothing.
+        run(&mut s, &limit, T0 + 3, LeaseOp::Release, "c");
+        assert!(!acquire(&mut s, T0 + 4, "c").admitted);
+        run(&mut s, &limit, T0 + 5, LeaseOp::Release, "a");
+        assert!(acquire(&mut s, T0 + 6, "c").admitted);
+        // Leases expire one window after they were taken.
+        assert!(
+            acquire(&mut s, T0 + 60 * MICROS_PER_SECOND + 1, "d").admitted,
+            "b expired"
+        );
+    }
+}
