@@ -155,6 +155,9 @@ pub struct Limit {
     /// The span `requests_per_unit` applies to, in seconds: the unit's length, unless the
     /// rule sets a custom `window` (then `unit` is only what answers report).
     pub window: u64,
+    /// Units an instance takes from a shared backend per round trip and spends locally
+    /// (`lease`; 0 or 1: every hit asks the backend).
+    pub lease: u32,
 }
 
 impl Limit {
@@ -166,6 +169,7 @@ impl Limit {
             algorithm: Algorithm::FixedWindow,
             burst: requests_per_unit,
             window: unit.seconds(),
+            lease: 0,
         }
     }
 }

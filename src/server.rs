@@ -16,6 +16,7 @@ use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
 use crate::backend::breaker::{Breaker, BreakerConfig};
 use crate::backend::deferred::Deferred;
+use crate::backend::leased::Leased;
 use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::overlimit_cache::OverLimitCache;
@@ -35,6 +36,8 @@ use crate::response::{Headers, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
 
+/// Keys with quota leases held at once by one instance.
+const MAX_LEASE_POOLS: usize = 100_000;
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
 const MEMORY_SWEEP_PERIOD: Duration = Duration::from_secs(1);
@@ -189,7 +192,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .local_cache_size_in_bytes
                 .map_or(args.local_cache_entries, |bytes| bytes / 256);
             let measured = Measured::new(connected, metrics.clone());
-            let backend = OverLimitCache::new(measured, entries, metrics.clone());
+            let cached = OverLimitCache::new(measured, entries, metrics.clone());
+            let backend = Leased::new(cached, MAX_LEASE_POOLS);
             run(backend, &args, rules, metrics).await
         }
     }

@@ -52,6 +52,7 @@ fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
         algorithm,
         burst: requests_per_unit,
         window: unit.seconds(),
+        lease: 0,
     }
 }
 
@@ -1368,4 +1369,56 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     let keys = server.keys("*");
     assert_eq!(keys.len(), 1, "one sorted set for the tenant: {keys:?}");
     assert!(keys[0].contains("request_id=*"), "{keys:?}");
+}
+
+// ---- quota leases --------------------------------------------------------------------------
+
+#[tokio::test]
+async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_instances() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: lease\ndescriptors:\n  - key: fixed\n    rate_limit: {unit: hour, requests_per_unit: 200, lease: 10}\n  - key: bucket\n    rate_limit: {unit: hour, requests_per_unit: 200, algorithm: token_bucket, lease: 10}\n",
+    );
+    let extra: Vec<String> = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &server.url(),
+        "--redis-timeout",
+        "2s",
+    ]
+    .map(String::from)
+    .to_vec();
+    let instances = Turnstile::start_all(rules.path(), &vec![extra; 4]).await;
+    let mut clients = Vec::new();
+    for t in &instances {
+        clients.push(t.client().await);
+    }
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(15)).await;
+    for key in ["fixed", "bucket"] {
+        let calls_before = script_calls(&server);
+        let mut admitted = 0;
+        for i in 0..400 {
+            let answer = clients[i % 4]
+                .should_rate_limit(request("lease", vec![descriptor(&[(key, "hot")])]))
+                .await
+                .unwrap()
+                .into_inner();
+            if answer.overall_code == Code::Ok as i32 {
+                admitted += 1;
+            }
+        }
+        let calls = script_calls(&server) - calls_before;
+        println!(
+            "{key}: 400 requests on 4 instances, limit 200, lease 10: admitted {admitted}, {calls} Redis script calls"
+        );
+        assert!(admitted <= 200, "{key}: admitted {admitted} of 200");
+        assert!(
+            admitted >= 200 - 4 * 9,
+            "{key}: at most 9 units per instance may lapse, admitted {admitted}"
+        );
+        assert!(calls <= 120, "{key}: {calls} Redis calls for 400 requests");
+    }
 }

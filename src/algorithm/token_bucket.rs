@@ -87,6 +87,7 @@ mod tests {
             algorithm: Kind::TokenBucket,
             burst,
             window: unit.seconds(),
+            lease: 0,
         }
     }
 

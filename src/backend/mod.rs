@@ -7,6 +7,7 @@
 
 pub mod breaker;
 pub mod deferred;
+pub mod leased;
 pub mod measured;
 pub mod memory;
 pub mod overlimit_cache;

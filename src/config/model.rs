@@ -8,9 +8,9 @@
 use super::ConfigError;
 use super::yaml::{self, Kind, Node, Pos};
 
-/// The reference's allow-list plus our additive `algorithm`, `burst`, `window`, `shards` and
-/// `on_backend_error`.
-const KNOWN_KEYS: [&str; 21] = [
+/// The reference's allow-list plus our additive `algorithm`, `burst`, `window`, `shards`,
+/// `lease` and `on_backend_error`.
+const KNOWN_KEYS: [&str; 22] = [
     "domain",
     "key",
     "value",
@@ -32,6 +32,7 @@ const KNOWN_KEYS: [&str; 21] = [
     "on_backend_error",
     "window",
     "shards",
+    "lease",
 ];
 
 /// A value with the position it was written at, for fields whose errors are found later.
@@ -86,6 +87,8 @@ pub struct RateLimitSpec {
     pub window: Option<Spanned<String>>,
     /// Split the limit over this many independent sub-limits (hot keys).
     pub shards: Option<Spanned<u32>>,
+    /// Units taken per round trip to Redis and spent locally (hot keys).
+    pub lease: Option<Spanned<u32>>,
     pub pos: Pos,
 }
 
@@ -312,6 +315,7 @@ impl Reader<'_> {
             burst: None,
             window: None,
             shards: None,
+            lease: None,
             pos: node.pos,
         };
         for (key, value) in entries {
@@ -328,6 +332,7 @@ impl Reader<'_> {
                 "burst" => spec.burst = self.uint(value, name),
                 "window" => spec.window = self.spanned_string(value, name),
                 "shards" => spec.shards = self.uint(value, name),
+                "lease" => spec.lease = self.uint(value, name),
                 _ => {}
             }
         }

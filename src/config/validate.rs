@@ -393,6 +393,31 @@ impl Check<'_> {
             }
         };
 
+        let lease = match &rate_limit.lease {
+            None => 0,
+            Some(lease) => {
+                let most = burst.min(requests_per_unit);
+                if !matches!(
+                    algorithm,
+                    Some(Algorithm::FixedWindow | Algorithm::TokenBucket)
+                ) {
+                    self.error(
+                        lease.pos,
+                        "lease can only be used with algorithm fixed_window or token_bucket"
+                            .to_owned(),
+                    );
+                } else if lease.value == 0 || lease.value > most {
+                    self.error(
+                        lease.pos,
+                        format!(
+                            "lease must be from 1 to {most} (the limit, and the burst), found {}",
+                            lease.value
+                        ),
+                    );
+                }
+                lease.value
+            }
+        };
         let unit = unit?;
         Some(Limit {
             requests_per_unit,
@@ -403,6 +428,7 @@ impl Check<'_> {
                 Some(seconds) => seconds?,
                 None => unit.seconds(),
             },
+            lease,
         })
     }
 }
@@ -579,6 +605,26 @@ mod tests {
             ]
         );
         assert!(shards("0").is_err());
+    }
+
+    #[test]
+    fn leases_fit_the_limit_and_its_algorithm() {
+        let lease = |body: &str| {
+            one_rule(&format!(
+                "unit: second\n      requests_per_unit: 10\n      {body}"
+            ))
+        };
+        let rules = lease("lease: 5").unwrap();
+        let rule = rules.domain("d").unwrap().lookup([("k", "x")]).unwrap();
+        assert_eq!(rule.limit.unwrap().lease, 5);
+        assert_eq!(
+            lease("lease: 11").unwrap_err(),
+            ["v.yaml:7:14: lease must be from 1 to 10 (the limit, and the burst), found 11"]
+        );
+        assert_eq!(
+            lease("algorithm: sliding_window\n      lease: 2").unwrap_err(),
+            ["v.yaml:8:14: lease can only be used with algorithm fixed_window or token_bucket"]
+        );
     }
 
     #[test]
