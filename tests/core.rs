@@ -846,3 +846,182 @@ async fn stats_are_exported_to_statsd_under_the_reference_names() {
     );
     assert_eq!(totals["ratelimit_server.ShouldRateLimit.total_requests"], 2);
 }
+
+/// The reference's documented examples (its README's examples 1 to 7 and 9), rules written in
+/// its format, answers as it documents them.
+#[tokio::test]
+async fn the_reference_readme_examples_answer_as_documented() {
+    let rules = Rules::new(
+        "domain: mongo_cps\ndescriptors:\n  - key: database\n    value: users\n    rate_limit: {unit: second, requests_per_unit: 500}\n  - key: database\n    value: default\n    rate_limit: {unit: second, requests_per_unit: 500}\n",
+    );
+    rules.write(
+        "messaging.yaml",
+        "domain: messaging\ndescriptors:\n  - key: message_type\n    value: marketing\n    descriptors:\n      - key: to_number\n        rate_limit: {unit: day, requests_per_unit: 5}\n  - key: to_number\n    rate_limit: {unit: day, requests_per_unit: 100}\n",
+    );
+    rules.write(
+        "edge.yaml",
+        "domain: edge_proxy_per_ip\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 10}\n  - key: remote_address\n    value: 50.0.0.5\n    rate_limit: {unit: second, requests_per_unit: 0}\n",
+    );
+    rules.write(
+        "depth.yaml",
+        "domain: shallow\ndescriptors:\n  - key: key\n    value: value\n    rate_limit: {unit: second, requests_per_unit: 300}\n---\ndomain: deep\ndescriptors:\n  - key: key\n    value: value\n    descriptors:\n      - key: subkey\n        rate_limit: {unit: second, requests_per_unit: 300}\n",
+    );
+    rules.write(
+        "internal.yaml",
+        "domain: internal\ndescriptors:\n  - key: ldap\n    rate_limit: {unlimited: true}\n  - key: azure\n    rate_limit: {unit: minute, requests_per_unit: 100}\n",
+    );
+    rules.write(
+        "shadow.yaml",
+        "domain: example6\ndescriptors:\n  - key: service\n    descriptors:\n      - key: user\n        value: user-a\n        shadow_mode: true\n        rate_limit: {unit: second, requests_per_unit: 10}\n      - key: user\n        value: user-b\n        rate_limit: {unit: second, requests_per_unit: 20}\n",
+    );
+    rules.write(
+        "replaces.yaml",
+        "domain: example7\ndescriptors:\n  - key: key_1\n    value: value_1\n    descriptors:\n      - key: user\n        value: bkthomps\n        rate_limit: {name: specific_limit, unit: second, requests_per_unit: 5}\n  - key: key_2\n    value: value_2\n    descriptors:\n      - key: user\n        value: bkthomps\n        rate_limit: {replaces: [{name: specific_limit}], unit: second, requests_per_unit: 10}\n",
+    );
+    rules.write(
+        "wildcards.yaml",
+        "domain: example9\ndescriptors:\n  - key: path\n    value: /api/*/action\n    rate_limit: {unit: minute, requests_per_unit: 20}\n  - key: route\n    value: /api/*/resource/*/action\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
+    );
+    let t = Turnstile::start(rules.path(), &[]).await;
+    let limit_of = |r: &RateLimitResponse, i: usize| {
+        r.statuses[i]
+            .current_limit
+            .as_ref()
+            .map(|l| (l.requests_per_unit, l.unit))
+    };
+
+    // 1: a limit per value.
+    let r = t
+        .call(request(
+            "mongo_cps",
+            vec![descriptor(&[("database", "users")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(limit_of(&r, 0), Some((500, Unit::Second as i32)));
+    assert_eq!(remaining(&r), [499]);
+
+    // 2: nested descriptors, several in one request, the answer an OR of all.
+    let both = || {
+        request(
+            "messaging",
+            vec![
+                descriptor(&[("message_type", "marketing"), ("to_number", "2061111111")]),
+                descriptor(&[("to_number", "2061111111")]),
+            ],
+        )
+    };
+    let r = t.call(both()).await.unwrap();
+    assert_eq!(limit_of(&r, 0), Some((5, Unit::Day as i32)));
+    assert_eq!(limit_of(&r, 1), Some((100, Unit::Day as i32)));
+    for _ in 0..4 {
+        t.call(both()).await.unwrap();
+    }
+    let sixth = t.call(both()).await.unwrap();
+    assert_eq!(
+        (code(&sixth), codes(&sixth)),
+        (Code::OverLimit, vec![Code::OverLimit, Code::Ok])
+    );
+
+    // 3: key and value beat key alone.
+    let ip = |a: &str| {
+        request(
+            "edge_proxy_per_ip",
+            vec![descriptor(&[("remote_address", a)])],
+        )
+    };
+    assert_eq!(remaining(&t.call(ip("50.0.0.1")).await.unwrap()), [9]);
+    assert_eq!(
+        code(&t.call(ip("50.0.0.5")).await.unwrap()),
+        Code::OverLimit
+    );
+
+    // 4: the request's depth must be the rule's.
+    let two = |domain: &str| {
+        request(
+            domain,
+            vec![descriptor(&[("key", "value"), ("subkey", "subvalue")])],
+        )
+    };
+    assert_eq!(limit_of(&t.call(two("shallow")).await.unwrap(), 0), None);
+    assert_eq!(
+        limit_of(&t.call(two("deep")).await.unwrap(), 0),
+        Some((300, Unit::Second as i32))
+    );
+
+    // 5: unlimited answers OK with the largest remaining.
+    let r = t
+        .call(request(
+            "internal",
+            vec![descriptor(&[("ldap", "x")]), descriptor(&[("azure", "x")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&r), [u32::MAX, 99]);
+
+    // 6: a shadow rule never limits; its sibling does.
+    let user = |u: &str| {
+        request(
+            "example6",
+            vec![descriptor(&[("service", "auth-service"), ("user", u)])],
+        )
+    };
+    for _ in 0..12 {
+        assert_eq!(code(&t.call(user("user-a")).await.unwrap()), Code::Ok);
+    }
+    // 21 calls in one second window: start well before the window ends.
+    let into_second = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_millis();
+    if into_second > 500 {
+        tokio::time::sleep(Duration::from_millis(u64::from(1_010 - into_second))).await;
+    }
+    let mut codes_b = Vec::new();
+    for _ in 0..21 {
+        codes_b.push(code(&t.call(user("user-b")).await.unwrap()));
+    }
+    assert_eq!(
+        codes_b.iter().filter(|c| **c == Code::OverLimit).count(),
+        1,
+        "the 21st in one second"
+    );
+
+    // 7: replaces.
+    let r = t
+        .call(request(
+            "example7",
+            vec![
+                descriptor(&[("key_1", "value_1"), ("user", "bkthomps")]),
+                descriptor(&[("key_2", "value_2"), ("user", "bkthomps")]),
+            ],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        (limit_of(&r, 0), limit_of(&r, 1)),
+        (None, Some((10, Unit::Second as i32)))
+    );
+    let alone = t
+        .call(request(
+            "example7",
+            vec![descriptor(&[("key_1", "value_1"), ("user", "bkthomps")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(limit_of(&alone, 0), Some((5, Unit::Second as i32)));
+
+    // 9: wildcards in the middle, and several.
+    let path = |k: &str, v: &str| request("example9", vec![descriptor(&[(k, v)])]);
+    assert!(limit_of(&t.call(path("path", "/api/123/action")).await.unwrap(), 0).is_some());
+    assert!(limit_of(&t.call(path("path", "/api/123/other")).await.unwrap(), 0).is_none());
+    assert!(
+        limit_of(
+            &t.call(path("route", "/api/v1/resource/123/action"))
+                .await
+                .unwrap(),
+            0
+        )
+        .is_some()
+    );
+}
