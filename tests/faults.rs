@@ -4,7 +4,7 @@
 //!
 //! Every fault is injected while a few streams per instance call the real binary, and every
 //! answer is timed. What must hold: no instance dies; every answer comes within the Redis
-//! timeout plus a margin, and once the circuit breaker is open the bulk comes at once; every
+//! timeout plus a margin, and once the circuit breaker is open calls stop waiting for Redis; every
 //! answer is either the backend's or the one the policy prescribes; after Redis is back every
 //! instance answers from Redis again within 2 s; and the counts afterwards are what the data
 //! Redis kept implies, no more.
