@@ -328,6 +328,10 @@ pub struct ServeArgs {
     /// Attach dynamic_metadata naming the deciding rule, its algorithm and the outcome.
     #[arg(long, env = "TURNSTILE_RESPONSE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub response_metadata: bool,
+    /// The reference's dynamic metadata instead: the request echoed and the `metadata` of the
+    /// rules that passed (plus the deciding rule's name, algorithm and outcome).
+    #[arg(long, env = "RESPONSE_DYNAMIC_METADATA")]
+    pub response_dynamic_metadata: bool,
     /// Every limit is soft (the reference's QUOTA_MODE): a request is refused only when all
     /// of its limits are over.
     #[arg(long, env = "QUOTA_MODE")]

@@ -31,6 +31,8 @@ pub struct Applied<'a> {
     pub also: Vec<usize>,
     /// This descriptor's own cost (a shared hit carries the sum).
     pub cost: u64,
+    /// The rule's `metadata`, for the reference's response metadata.
+    pub metadata: Option<&'a serde_json::Value>,
 }
 
 impl Applied<'_> {
@@ -198,6 +200,7 @@ impl<'a> Plan<'a> {
         rule: Option<&'a Rule>,
         replaced: &HashSet<&str>,
     ) -> Decision<'a> {
+        let metadata = rule.and_then(|r| r.metadata.as_ref());
         let (limit, also, shared, shards, applied) = match (descriptor.limit_override, rule) {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
@@ -259,6 +262,7 @@ impl<'a> Plan<'a> {
             hit,
             also,
             cost: descriptor.hits,
+            metadata: metadata.filter(|_| descriptor.limit_override.is_none()),
         })
     }
 

@@ -6,10 +6,11 @@
 //! closest to its limit, in the reference's trio or the IETF draft's pair.
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, ListValue, Struct, Value};
 
@@ -47,6 +48,10 @@ pub struct ResponseSettings {
     pub headers: Headers,
     /// Attach `dynamic_metadata` naming the deciding rule (for Envoy's access logs).
     pub metadata: bool,
+    /// Attach the reference's `dynamic_metadata` instead (RESPONSE_DYNAMIC_METADATA): the
+    /// request echoed, and the `metadata` of the rules that passed; the deciding rule's
+    /// `rule`, `algorithm` and `outcome` are added beside it.
+    pub reference_metadata: bool,
     /// Global shadow mode: an OVER_LIMIT answer is turned into OK (statuses keep theirs).
     pub global_shadow: bool,
 }
@@ -103,7 +108,12 @@ fn limited_status(applied: &Applied<'_>, limit: &Limit, outcome: &Outcome) -> De
     }
 }
 
-pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings) -> Built {
+pub fn build(
+    request: &RateLimitRequest,
+    plan: &Plan<'_>,
+    outcomes: &[Outcome],
+    settings: &ResponseSettings,
+) -> Built {
     let statuses: Vec<DescriptorStatus> = plan
         .decisions
         .iter()
@@ -120,9 +130,13 @@ pub fn build(plan: &Plan<'_>, outcomes: &[Outcome], settings: &ResponseSettings)
     );
     let shadowed_globally = over && settings.global_shadow;
     let response_headers_to_add = headers(plan, &statuses, outcomes, &settings.headers);
-    let dynamic_metadata = settings
-        .metadata
-        .then(|| metadata(plan, &statuses, outcomes));
+    let dynamic_metadata = if settings.reference_metadata {
+        Some(reference_metadata(request, plan, &statuses, outcomes))
+    } else {
+        settings
+            .metadata
+            .then(|| metadata(plan, &statuses, outcomes))
+    };
     Built {
         response: RateLimitResponse {
             overall_code: if over && !shadowed_globally {
@@ -281,6 +295,124 @@ fn metadata(plan: &Plan<'_>, statuses: &[DescriptorStatus], outcomes: &[Outcome]
         },
     ));
     object(top)
+}
+
+/// The reference's metadata: the request (domain, each descriptor's entries as `key=value`,
+/// its override and addend), the request's addend, and the rules' `metadata` of every
+/// descriptor that passed, merged (the first value wins). turnstile's `rule`, `algorithm`
+/// and `outcome` of the deciding descriptor are added.
+fn reference_metadata(
+    request: &RateLimitRequest,
+    plan: &Plan<'_>,
+    statuses: &[DescriptorStatus],
+    outcomes: &[Outcome],
+) -> Struct {
+    let number = |n: f64| Value {
+        kind: Some(Kind::NumberValue(n)),
+    };
+    let descriptors = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            let entries = d
+                .entries
+                .iter()
+                .map(|e| text(&format!("{}={}", e.key, e.value)))
+                .collect();
+            let mut fields = vec![(
+                "entries",
+                Value {
+                    kind: Some(Kind::ListValue(ListValue { values: entries })),
+                },
+            )];
+            if let Some(limit) = &d.limit {
+                let unit = ProtoUnit::try_from(limit.unit).map_or("UNKNOWN", |u| u.as_str_name());
+                fields.push((
+                    "limit",
+                    text(&format!(
+                        "requests_per_unit:{} unit:{unit}",
+                        limit.requests_per_unit
+                    )),
+                ));
+            }
+            if let Some(addend) = &d.hits_addend {
+                fields.push(("hitsAddend", number(addend.value as f64)));
+            }
+            Value {
+                kind: Some(Kind::StructValue(object(fields))),
+            }
+        })
+        .collect();
+    let mut merged = serde_json::Map::new();
+    for (decision, status) in plan.decisions.iter().zip(statuses) {
+        if let Decision::Limited(a) = decision
+            && status.code != Code::OverLimit as i32
+            && let Some(serde_json::Value::Object(metadata)) = a.metadata
+        {
+            merge(&mut merged, metadata);
+        }
+    }
+    let mut fields = vec![
+        ("domain", text(&request.domain)),
+        (
+            "descriptors",
+            Value {
+                kind: Some(Kind::ListValue(ListValue {
+                    values: descriptors,
+                })),
+            },
+        ),
+    ];
+    if request.hits_addend != 0 {
+        fields.push(("hitsAddend", number(f64::from(request.hits_addend))));
+    }
+    if !merged.is_empty() {
+        fields.push(("metadata", proto_value(&serde_json::Value::Object(merged))));
+    }
+    let mut top = object(fields);
+    let ours = metadata(plan, statuses, outcomes);
+    for key in ["rule", "algorithm", "outcome"] {
+        if let Some(value) = ours.fields.get(key) {
+            top.fields.insert(key.to_owned(), value.clone());
+        }
+    }
+    top
+}
+
+/// Deep merge of `from` into `into`; what `into` has already wins.
+fn merge(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (key, value) in from {
+        match (into.get_mut(key), value) {
+            (Some(serde_json::Value::Object(a)), serde_json::Value::Object(b)) => merge(a, b),
+            (Some(_), _) => {}
+            (None, _) => {
+                into.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+fn proto_value(value: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    let kind = match value {
+        J::Null => Kind::NullValue(0),
+        J::Bool(b) => Kind::BoolValue(*b),
+        J::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+        J::String(s) => Kind::StringValue(s.clone()),
+        J::Array(items) => Kind::ListValue(ListValue {
+            values: items.iter().map(proto_value).collect(),
+        }),
+        J::Object(map) => Kind::StructValue(Struct {
+            fields: map
+                .iter()
+                .map(|(k, v)| (k.clone(), proto_value(v)))
+                .collect(),
+        }),
+    };
+    Value { kind: Some(kind) }
 }
 
 #[cfg(test)]

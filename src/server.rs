@@ -65,6 +65,7 @@ fn settings(args: &ServeArgs) -> Settings {
         response: ResponseSettings {
             headers,
             metadata: args.response_metadata,
+            reference_metadata: args.response_dynamic_metadata,
             global_shadow: args.shadow_mode,
         },
         quota_mode: args.quota_mode,

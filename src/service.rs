@@ -68,6 +68,7 @@ impl<B: Backend> RateLimiter<B> {
         request: &RateLimitRequest,
         budget: Option<Duration>,
     ) -> Result<RateLimitResponse, Status> {
+        let original = request;
         let request = CheckRequest::parse(request, &self.settings.bounds).map_err(|invalid| {
             self.metrics.invalid_request.increment(1);
             Status::invalid_argument(invalid.0)
@@ -100,7 +101,7 @@ impl<B: Backend> RateLimiter<B> {
             }
         };
         self.record(&plan, &outcomes);
-        let built = response::build(&plan, &outcomes, &self.settings.response);
+        let built = response::build(original, &plan, &outcomes, &self.settings.response);
         if built.shadowed_globally {
             self.metrics.global_shadow_mode.increment(1);
         }

@@ -1025,3 +1025,53 @@ async fn the_reference_readme_examples_answer_as_documented() {
         .is_some()
     );
 }
+
+#[tokio::test]
+async fn the_reference_response_metadata_echoes_the_request_and_merges_passed_rules_metadata() {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let rules = Rules::new(
+        "domain: meta\ndescriptors:\n  - key: a\n    metadata: {name: service_1, shared: {x: 1}}\n    rate_limit: {unit: hour, requests_per_unit: 5}\n  - key: b\n    metadata: {name: service_2, shared: {x: 2, y: true}}\n    rate_limit: {unit: hour, requests_per_unit: 5}\n  - key: c\n    metadata: {blocked: yes}\n    rate_limit: {unit: hour, requests_per_unit: 0}\n",
+    );
+    let t = Turnstile::start_with(
+        &["--config", rules.path().to_str().unwrap()],
+        &[("RESPONSE_DYNAMIC_METADATA", "true")],
+    )
+    .await;
+    let mut r = request(
+        "meta",
+        vec![
+            descriptor(&[("a", "1")]),
+            descriptor(&[("b", "2")]),
+            descriptor(&[("c", "3")]),
+        ],
+    );
+    r.hits_addend = 2;
+    let answer = t.call(r).await.unwrap();
+    let m = answer.dynamic_metadata.expect("dynamic_metadata");
+    let json = |v: &envoy_types::pb::google::protobuf::Value| -> serde_json::Value {
+        fn conv(v: &envoy_types::pb::google::protobuf::Value) -> serde_json::Value {
+            match &v.kind {
+                Some(Kind::StringValue(s)) => serde_json::Value::from(s.as_str()),
+                Some(Kind::NumberValue(n)) => serde_json::Value::from(*n),
+                Some(Kind::BoolValue(b)) => serde_json::Value::from(*b),
+                Some(Kind::ListValue(l)) => l.values.iter().map(conv).collect(),
+                Some(Kind::StructValue(s)) => {
+                    s.fields.iter().map(|(k, v)| (k.clone(), conv(v))).collect()
+                }
+                _ => serde_json::Value::Null,
+            }
+        }
+        conv(v)
+    };
+    let field = |name: &str| json(&m.fields[name]);
+    assert_eq!(field("domain"), "meta");
+    assert_eq!(field("hitsAddend"), 2.0);
+    assert_eq!(field("descriptors")[2]["entries"][0], "c=3");
+    // a and b passed: their metadata merged, the first value winning; c was over its limit.
+    assert_eq!(
+        field("metadata"),
+        serde_json::json!({"name": "service_1", "shared": {"x": 1.0, "y": true}})
+    );
+    assert_eq!(field("outcome"), "over_limit");
+    assert_eq!(field("rule"), "meta.c");
+}

@@ -48,8 +48,9 @@ fuzz_target!(|data: &[u8]| {
     let settings = ResponseSettings {
         headers: Headers::Ietf,
         metadata: true,
+        reference_metadata: data.first().is_some_and(|b| b & 1 == 1),
         global_shadow: false,
     };
-    let built = response::build(&plan, &outcomes, &settings);
+    let built = response::build(&request, &plan, &outcomes, &settings);
     assert_eq!(built.response.statuses.len(), request.descriptors.len());
 });

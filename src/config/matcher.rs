@@ -133,6 +133,8 @@ pub struct Rule {
     pub limit: Option<Limit>,
     /// Further limits on the same descriptor (a `rate_limit` list), all enforced at once.
     pub also: Vec<Limit>,
+    /// The rule's `metadata`, returned in the reference's response metadata when it passes.
+    pub metadata: Option<serde_json::Value>,
     /// Independent sub-limits the limit is split over (1: not split); each request lands on
     /// one at random, with its share of the limit.
     pub shards: u32,

@@ -68,6 +68,8 @@ pub struct DescriptorSpec {
     pub detailed_metric: bool,
     /// Every value matching this node's wildcard shares one counter.
     pub share_threshold: bool,
+    /// Free-form data returned in the reference's response metadata when this rule passes.
+    pub metadata: Option<serde_json::Value>,
     pub descriptors: Vec<DescriptorSpec>,
     pub pos: Pos,
 }
@@ -131,6 +133,42 @@ pub fn parse(file: &str, document: &Node, errors: &mut Vec<ConfigError>) -> Opti
         }
     }
     Some(spec)
+}
+
+/// A `metadata` node as data, scalars typed the way YAML 1.1 reads them.
+fn json(node: &Node) -> serde_json::Value {
+    use serde_json::Value;
+    match &node.kind {
+        Kind::Null => Value::Null,
+        Kind::Scalar { text, plain: false } => Value::String(text.clone()),
+        Kind::Scalar { text, plain: true } => {
+            if let Some(b) = yaml::resolve_bool(text) {
+                Value::Bool(b)
+            } else if let Some(n) = yaml::resolve_int(text).and_then(|n| i64::try_from(n).ok()) {
+                Value::from(n)
+            } else if let Some(f) = yaml::is_float(text)
+                .then(|| text.replace('_', "").parse::<f64>().ok())
+                .flatten()
+            {
+                Value::from(f)
+            } else {
+                Value::String(text.clone())
+            }
+        }
+        Kind::Seq(items) => Value::Array(items.iter().map(json).collect()),
+        Kind::Map(entries) => Value::Object(
+            entries
+                .iter()
+                .map(|(k, v)| {
+                    let key = match &k.kind {
+                        Kind::Scalar { text, .. } => text.clone(),
+                        _ => String::new(),
+                    };
+                    (key, json(v))
+                })
+                .collect(),
+        ),
+    }
 }
 
 /// A map key as text, or `None` when YAML 1.1 reads it as something else (number, bool, null,
@@ -239,6 +277,7 @@ impl Reader<'_> {
             quota_mode: false,
             detailed_metric: false,
             share_threshold: false,
+            metadata: None,
             descriptors: Vec::new(),
             pos,
         };
@@ -260,9 +299,11 @@ impl Reader<'_> {
                 "value_to_metric" => {
                     self.boolean(value, name);
                 }
-                "metadata" if !matches!(value.kind, Kind::Map(_) | Kind::Null) => {
-                    self.invalid(value, name, "a map");
-                }
+                "metadata" => match &value.kind {
+                    Kind::Map(_) => spec.metadata = Some(json(value)),
+                    Kind::Null => {}
+                    _ => self.invalid(value, name, "a map"),
+                },
                 // Misplaced known keys are ignored, as in the reference; check_keys has
                 // reported unknown ones.
                 _ => {}

@@ -253,6 +253,7 @@ impl Check<'_> {
             limit,
             also,
             shards: self.shards(rate_limit, limit.as_ref()),
+            metadata: spec.metadata.clone(),
             shared: Vec::new(),
             shadow_mode: spec.shadow_mode,
             quota_mode: spec.quota_mode,
