@@ -29,6 +29,19 @@ descriptors:
     descriptors:
       - key: u
         rate_limit: {unlimited: true, replaces: [{name: t}]}
+  - key: l
+    rate_limit:
+      - {unit: second, requests_per_unit: 4, shards: 2}
+      - {window: 90s, requests_per_unit: 9, algorithm: sliding_window}
+  - key: c
+    descriptors:
+      - key: r
+        rate_limit: {algorithm: concurrency, requests_per_unit: 2, window: 5s}
+  - key: s
+    value: s*
+    share_threshold: true
+    metadata: {a: 1}
+    rate_limit: {unit: minute, requests_per_unit: 3}
 ";
 
 static RULE_SET: LazyLock<RuleSet> = LazyLock::new(|| load_str("fuzz.yaml", RULES).unwrap());
