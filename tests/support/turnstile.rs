@@ -65,22 +65,30 @@ impl Turnstile {
 
     /// Start with exactly these `serve` arguments (plus listen addresses) and environment.
     pub async fn start_with(args: &[&str], env: &[(&str, &str)]) -> Turnstile {
-        let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let mut t = Turnstile {
-            child: spawn(grpc, http, &args, &env),
-            grpc,
-            http,
-            args,
-            env,
-        };
-        t.wait_healthy().await;
-        t
+        // A free port can be taken by another process before turnstile binds it: then it
+        // exits at once, and starts again on other ports.
+        let mut exits = Vec::new();
+        for _ in 0..5 {
+            let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
+            let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+            let mut t = Turnstile {
+                child: spawn(grpc, http, &args, &env),
+                grpc,
+                http,
+                args: args.clone(),
+                env: env.clone(),
+            };
+            match t.wait_healthy().await {
+                Ok(()) => return t,
+                Err(status) => exits.push(status),
+            }
+        }
+        panic!("turnstile exited during start-up, every time: {exits:?}");
     }
 
     /// Start several at once (each waits for its own health), in the order of `extras`.
@@ -121,14 +129,15 @@ impl Turnstile {
         })
     }
 
-    async fn wait_healthy(&mut self) {
+    /// Wait until `/healthcheck` answers 200; the exit status if the process ended first.
+    async fn wait_healthy(&mut self) -> Result<(), ExitStatus> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("turnstile exited during start-up: {status}");
+                return Err(status);
             }
             if let Ok((200, _)) = self.http_get("/healthcheck").await {
-                return;
+                return Ok(());
             }
             assert!(Instant::now() < deadline, "turnstile not healthy in time");
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -139,7 +148,9 @@ impl Turnstile {
     pub async fn kill_and_restart(&mut self) {
         self.kill();
         self.child = spawn(self.grpc, self.http, &self.args, &self.env);
-        self.wait_healthy().await;
+        if let Err(status) = self.wait_healthy().await {
+            panic!("turnstile exited during its restart: {status}");
+        }
     }
 
     pub fn kill(&mut self) {
