@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
 use tokio::time::sleep;
+use turnstile::algorithm::LeaseOp;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::backend::{Backend, BackendError, Charging, Hit, Outcome, Role};
@@ -18,6 +19,14 @@ use turnstile::limit::{Algorithm, Limit, Unit};
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3_600);
 const MINUTE_US: u64 = 60_000_000;
+
+/// The algorithms that count units over time (concurrency limits have tests of their own:
+/// their hits need a lease).
+const RATE_ALGORITHMS: [Algorithm; 3] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::TokenBucket,
+];
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -457,7 +466,7 @@ async fn token_bucket_admits_the_burst_then_the_steady_rate() {
 async fn costs_above_one_count_and_zero_costs_only_read() {
     let server = RedisServer::start();
     let b = single(&server, "hz:").await;
-    for algorithm in Algorithm::ALL {
+    for algorithm in RATE_ALGORITHMS {
         let pattern = format!("hz:{{{algorithm}}}*");
         let k = |hits| hit(algorithm.name(), limit(algorithm, 5, Unit::Minute), hits);
         let read = one(&b, &k(0)).await;
@@ -490,7 +499,7 @@ async fn refusal_charges_per_charging_mode(
     b: &RedisBackend,
     names: impl Fn(Algorithm) -> Vec<String>,
 ) {
-    for algorithm in Algorithm::ALL {
+    for algorithm in RATE_ALGORITHMS {
         let names = names(algorithm);
         let wide = hit(&names[0], limit(algorithm, 10, Unit::Minute), 1);
         let narrow = hit(&names[1], limit(algorithm, 1, Unit::Minute), 1);
@@ -607,7 +616,7 @@ async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
 async fn mixed_run(b: &RedisBackend) {
     away_from_boundary(HOUR, 5 * SEC).await;
     for n in 0..5 {
-        for algorithm in Algorithm::ALL {
+        for algorithm in RATE_ALGORITHMS {
             let hits: Vec<Hit> = (0..3)
                 .map(|i| {
                     hit(
@@ -619,6 +628,13 @@ async fn mixed_run(b: &RedisBackend) {
                 .collect();
             b.evaluate(&hits, Charging::Atomic).await.expect("evaluate");
         }
+        let lease = Hit {
+            lease: Some((LeaseOp::Acquire, format!("request-{n}"))),
+            ..hit("leases", limit(Algorithm::Concurrency, 3, Unit::Hour), 1)
+        };
+        b.evaluate(&[lease], Charging::Atomic)
+            .await
+            .expect("evaluate");
     }
 }
 
@@ -627,8 +643,9 @@ async fn every_key_expires() {
     let server = RedisServer::start();
     mixed_run(&single(&server, "ttl:").await).await;
     let keys = server.keys("ttl:*");
-    // 3 limits of each algorithm: fixed has one counter, sliding a log and a sum, bucket one.
-    assert_eq!(keys.len(), 3 * 4, "{keys:?}");
+    // 3 limits of each rate algorithm: fixed has one counter, sliding a log and a sum, bucket
+    // one; and the concurrency limit's set of leases.
+    assert_eq!(keys.len(), 3 * 4 + 1, "{keys:?}");
     for key in keys {
         let ttl: i64 = server.query(&["PTTL", &key]);
         assert!(ttl > 0 && ttl <= 3_600_001, "{key}: PTTL {ttl}");
@@ -640,7 +657,7 @@ async fn cluster_keys_expire_and_share_their_limits_slot() {
     let cluster = RedisCluster::shared();
     mixed_run(&clustered(&cluster, "cttl:").await).await;
     let keys = cluster.keys("cttl:*");
-    assert_eq!(keys.len(), 3 * 4);
+    assert_eq!(keys.len(), 3 * 4 + 1);
     let nodes_used: std::collections::HashSet<u16> = keys.iter().map(|(_, n)| n.port()).collect();
     assert!(nodes_used.len() > 1, "the limits spread over the Cluster");
     let mut slots_by_limit: BTreeMap<String, Vec<u16>> = BTreeMap::new();
@@ -653,7 +670,7 @@ async fn cluster_keys_expire_and_share_their_limits_slot() {
             .or_default()
             .push(slot_number(node, key));
     }
-    assert_eq!(slots_by_limit.len(), 9);
+    assert_eq!(slots_by_limit.len(), 10);
     for (tag, slots) in slots_by_limit {
         assert!(
             slots.windows(2).all(|w| w[0] == w[1]),
