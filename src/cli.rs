@@ -27,6 +27,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Validate rule files: exit 0 with a summary, or 1 listing every error.
     Check(CheckArgs),
+    /// Load a RateLimitService over gRPC and report throughput and latency.
+    Bench(Box<crate::loadgen::BenchArgs>),
 }
 
 #[derive(Debug, Args)]

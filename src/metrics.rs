@@ -215,6 +215,23 @@ impl Metrics {
         }
     }
 
+    /// Fold recorded latency samples into their buckets every `period`, until the metrics are
+    /// dropped. The recorder keeps every histogram sample until it is folded, which otherwise
+    /// only a scrape of /metrics does: without one, memory grew by about 50 bytes per call.
+    pub fn spawn_upkeep(self: &Arc<Self>, period: Duration) {
+        let metrics = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                let Some(metrics) = metrics.upgrade() else {
+                    return;
+                };
+                metrics.handle.run_upkeep();
+            }
+        });
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         self.handle.render()

@@ -39,6 +39,7 @@ use crate::statsd::StatsdRecorder;
 /// Keys with quota leases held at once by one instance.
 const MAX_LEASE_POOLS: usize = 100_000;
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(1);
 const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
 const MEMORY_SWEEP_PERIOD: Duration = Duration::from_secs(1);
 
@@ -161,6 +162,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.max_series,
         statsd,
     ));
+    metrics.spawn_upkeep(METRICS_UPKEEP_PERIOD);
     metrics.config_load_success.increment(1);
     tracing::info!(
         path = %source.path.display(),

@@ -1,0 +1,358 @@
+#!/usr/bin/env bash
+# Measures turnstile on this machine, in one run (BENCHMARKS.md explains the figures):
+#   a. throughput and latency at 64 concurrent calls, key cardinality 1 and 100 000, each
+#      algorithm, memory and Redis backends (plus one run where nearly every answer is
+#      OVER_LIMIT);
+#   b. the Redis ceiling: redis-benchmark running the same EVALSHA of the real batch script
+#      against the same Redis, pipelined like turnstile's multiplexed connections;
+#   c. p99 at 50% of the peak rate, open loop (latency from each call's due time);
+#   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
+#      100 000 live keys on the memory backend;
+#   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs).
+#
+# It builds release, starts its own redis-server (free loopback port, never 6379, no
+# persistence) and turnstile processes, and stops every one of them by PID when it ends, on
+# failure too. Results go to target/bench/<time>/ (results.jsonl, summary.md).
+#
+# Usage: scripts/bench.sh [--quick] [--profile] [--update-doc]
+#   --quick       shorter runs (about 5 minutes instead of about 10, builds included)
+#   --profile     also record perf profiles of turnstile under load (perf must work)
+#   --update-doc  write the figures into BENCHMARKS.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+QUICK=0 PROFILE=0 UPDATE_DOC=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    --profile) PROFILE=1 ;;
+    --update-doc) UPDATE_DOC=1 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+for tool in redis-server redis-cli redis-benchmark jq curl python3; do
+  command -v "$tool" >/dev/null || { echo "bench.sh needs $tool" >&2; exit 1; }
+done
+
+if [ "$QUICK" = 1 ]; then
+  DURATION=3s WARMUP=1s CRITERION=(--quick)
+else
+  DURATION=8s WARMUP=1s CRITERION=(--warm-up-time 1 --measurement-time 3)
+fi
+CONCURRENCY=64
+CONNECTIONS=2
+# Ceiling: redis-benchmark over as many connections as turnstile's Redis pool (2), each
+# pipelining half of the 64 calls in flight, as turnstile's multiplexing does.
+REDIS_POOL=2
+PIPELINE=$((CONCURRENCY / REDIS_POOL))
+BIG=100000
+
+OUT="target/bench/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+: >"$RESULTS"
+TMP="$(mktemp -d)"
+
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${PIDS[@]}"; do
+    wait "$pid" 2>/dev/null || true
+  done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log() { printf '[bench %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# Stop one process we started, by PID.
+stop() {
+  local pid="$1" keep=() p
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  for p in "${PIDS[@]}"; do [ "$p" = "$pid" ] || keep+=("$p"); done
+  PIDS=("${keep[@]}")
+}
+
+free_port() {
+  python3 - <<'EOF'
+import socket
+while True:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    if port != 6379:
+        print(port)
+        break
+EOF
+}
+
+# ---------------------------------------------------------------------------------------
+log "building release"
+cargo build --release --quiet
+BIN="$PWD/target/release/turnstile"
+
+# ---------------------------------------------------------------------------------------
+# Redis: a private server on a free port, no persistence.
+REDIS_PORT="$(free_port)"
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+  --dir "$TMP" --logfile "$TMP/redis.log" --daemonize no &
+PIDS+=($!)
+REDIS_PID=$!
+rcli() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+for _ in $(seq 100); do rcli PING >/dev/null 2>&1 && break; sleep 0.05; done
+rcli PING >/dev/null || { cat "$TMP/redis.log" >&2; exit 1; }
+log "redis-server $(redis-server --version | awk '{print $3}') on 127.0.0.1:$REDIS_PORT (pid $REDIS_PID)"
+
+# The batch script exactly as src/backend/redis/script.rs assembles it: the parts joined
+# with newlines. Loading it here also checks that turnstile then finds it by hash.
+{
+  printf 'local ALGORITHMS = {}\n\n'
+  cat lua/fixed_window.lua; printf '\n'
+  cat lua/sliding_window.lua; printf '\n'
+  cat lua/token_bucket.lua; printf '\n'
+  cat lua/concurrency.lua; printf '\n'
+  cat lua/batch.lua
+} >"$TMP/batch.lua"
+SHA="$(rcli -x SCRIPT LOAD <"$TMP/batch.lua")"
+[ "$SHA" = "$(sha1sum "$TMP/batch.lua" | cut -d' ' -f1)" ] || { echo "SCRIPT LOAD changed the text" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------
+# Rules. Limits are high enough that answers are real admissions (state read and written),
+# except `over` (nearly every answer OVER_LIMIT) and the sliding window, whose limit is
+# capped at 10 000 per window. The *h rules use hour windows so state stays live for the
+# memory measurements.
+RULES="$TMP/rules"
+mkdir -p "$RULES"
+cat >"$RULES/bench.yaml" <<'EOF'
+domain: bench
+descriptors:
+  - key: fw
+    rate_limit: {unit: minute, requests_per_unit: 1000000000}
+  - key: sw
+    rate_limit: {unit: second, requests_per_unit: 10000, algorithm: sliding_window}
+  - key: tb
+    rate_limit: {unit: second, requests_per_unit: 1, burst: 1000000000, algorithm: token_bucket}
+  - key: over
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: fwh
+    rate_limit: {unit: hour, requests_per_unit: 1000000}
+  - key: swh
+    rate_limit: {unit: hour, requests_per_unit: 100, algorithm: sliding_window}
+  - key: tbh
+    rate_limit: {unit: hour, requests_per_unit: 1, burst: 10, algorithm: token_bucket}
+EOF
+"$BIN" check --config "$RULES" >/dev/null
+declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
+  [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
+# ARGV of one hit of each rule, as turnstile sends it: algorithm, limit, window s, burst,
+# cost, lease, role. turnstile sends an empty lease for these algorithms; an empty word
+# cannot pass through redis-benchmark's arguments here, and "0" means the same to the
+# script (only a lease starting with + or - does anything).
+declare -A HIT_ARGS=(
+  [fw]="fixed_window 1000000000 60 1000000000 1 0 e"
+  [sw]="sliding_window 10000 1 10000 1 0 e"
+  [tb]="token_bucket 1 1 1000000000 1 0 e"
+)
+
+TS_PID="" GRPC=""
+start_turnstile() { # backend
+  local http
+  GRPC="127.0.0.1:$(free_port)"
+  http="127.0.0.1:$(free_port)"
+  "$BIN" serve --config "$RULES" --grpc-addr "$GRPC" --http-addr "$http" \
+    --backend "$1" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-level warn \
+    >>"$OUT/turnstile.log" 2>&1 &
+  TS_PID=$!
+  PIDS+=("$TS_PID")
+  for _ in $(seq 200); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://$http/healthcheck")" = 200 ] && return 0
+    kill -0 "$TS_PID" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "turnstile ($1) did not become healthy; see $OUT/turnstile.log" >&2
+  exit 1
+}
+
+rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+
+# load NAME BACKEND RULE KEYS [extra bench args...]: one load run, appended to results.
+load() {
+  local name="$1" backend="$2" rule="$3" keys="$4"
+  shift 4
+  local watch="turnstile=$TS_PID"
+  [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
+  "$BIN" bench --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
+    --connections "$CONNECTIONS" \
+    --key "$rule" --keys "$keys" --duration "${LOAD_DURATION:-$DURATION}" \
+    --warmup "${LOAD_WARMUP:-$WARMUP}" --threads 1 \
+    --watch-pid "$watch" --json "$@" >"$TMP/run.json"
+  jq -c --arg name "$name" --arg backend "$backend" --arg rule "$rule" \
+    --arg algorithm "${ALGO[$rule]}" \
+    '. + {name: $name, backend: $backend, rule: $rule, algorithm: $algorithm}' \
+    "$TMP/run.json" | tee -a "$RESULTS" |
+    jq -r '"  \(.name): \(.rps|floor)/s  p50 \(.latency_ms.p50) ms  p99 \(.latency_ms.p99) ms  p99.9 \(.latency_ms.p99_9) ms  ok \(.ok) over \(.over_limit) err \(.errors)  cpu us/call \(.cpu_us_per_call)"' >&2
+}
+
+profile() { # NAME: record turnstile while the next load runs
+  [ "$PROFILE" = 1 ] || return 0
+  perf record -F 499 --call-graph dwarf,16384 -p "$TS_PID" -o "$OUT/perf-$1.data" -- sleep 3 \
+    >/dev/null 2>&1 &
+  PIDS+=($!)
+  PERF_PID=$!
+}
+profile_done() { # NAME
+  [ "$PROFILE" = 1 ] || return 0
+  wait "$PERF_PID" 2>/dev/null || true
+  stop "$PERF_PID"
+  # Self time, then time including callees (inlined frames left out).
+  {
+    echo "## self"
+    perf report -i "$OUT/perf-$1.data" --no-children --sort dso,symbol --stdio -g none \
+      2>/dev/null | grep -E '^ +[0-9]' | head -40
+    echo "## with callees"
+    perf report -i "$OUT/perf-$1.data" --children --sort symbol --stdio -g none 2>/dev/null |
+      grep -E '^ +[0-9]' | grep -v '(inlined)' | head -150
+  } | sed -E 's/ +$//' >"$OUT/perf-$1.txt" || true
+  rm -f "$OUT/perf-$1.data"
+  log "profile: $OUT/perf-$1.txt"
+}
+
+# ---------------------------------------------------------------------------------------
+# a. Throughput at 64 concurrent calls.
+for backend in memory redis; do
+  start_turnstile "$backend"
+  log "turnstile $backend backend (pid $TS_PID) on $GRPC"
+  for rule in fw sw tb; do
+    for keys in 1 "$BIG"; do
+      [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+      if [ "$rule" = fw ] && [ "$keys" = "$BIG" ]; then profile "$backend"; fi
+      load "$backend/${ALGO[$rule]}/$keys" "$backend" "$rule" "$keys"
+      if [ "$rule" = fw ] && [ "$keys" = "$BIG" ]; then profile_done "$backend"; fi
+    done
+  done
+  [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+  load "$backend/over_limit/1" "$backend" over 1
+  # Four descriptors per call: four decisions, one backend step.
+  [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+  load "$backend/fixed_window_4d/$BIG" "$backend" fw "$BIG" --descriptors 4
+
+  # c. p99 at 50% of the peak (fixed window, 100 000 keys), open loop.
+  peak="$(jq -r --arg n "$backend/fixed_window/$BIG" 'select(.name == $n) | .rps' "$RESULTS")"
+  rate="$(python3 -c "print(round($peak / 2))")"
+  [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+  # At most 64 in flight, many times what this rate needs; a call that waits for a free
+  # worker still counts its wait, since latency runs from its due time.
+  load "$backend/open_loop_50pct/$BIG" "$backend" fw "$BIG" --rate "$rate"
+  stop "$TS_PID"
+done
+
+# ---------------------------------------------------------------------------------------
+# b. The ceiling: the same EVALSHA from redis-benchmark, same Redis, same key shapes.
+log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
+ceiling() { # RULE KEYS REQUESTS
+  local rule="$1" keys="$2" n="$3" key range
+  if [ "$keys" = 1 ]; then
+    key="{bench|$rule=u0|${ALGO[$rule]}}" range=1000000000
+  else
+    key="{bench|$rule=u__rand_int__|${ALGO[$rule]}}" range="$keys"
+  fi
+  # shellcheck disable=SC2086 # HIT_ARGS is a word list on purpose
+  redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -c "$REDIS_POOL" -P "$PIPELINE" -n "$n" \
+    -r "$range" --csv EVALSHA "$SHA" 1 "$key" atomic "n__rand_int__" ${HIT_ARGS[$rule]} |
+    tail -1 | cut -d, -f2 | tr -d '"'
+}
+target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)
+for rule in fw sw tb; do
+  for keys in 1 "$BIG"; do
+    rcli FLUSHALL >/dev/null
+    probe="$(ceiling "$rule" "$keys" 20000)"
+    n="$(python3 -c "print(max(20000, int($probe * $target_secs)))")"
+    rcli FLUSHALL >/dev/null
+    rps="$(ceiling "$rule" "$keys" "$n")"
+    jq -nc --arg name "ceiling/${ALGO[$rule]}/$keys" --arg algorithm "${ALGO[$rule]}" \
+      --argjson keys "$keys" --argjson rps "$rps" --argjson n "$n" \
+      --argjson c "$REDIS_POOL" --argjson p "$PIPELINE" \
+      '{name: $name, backend: "redis-benchmark", algorithm: $algorithm, keys: $keys, rps: $rps,
+        calls: $n, connections: $c, pipeline: $p}' | tee -a "$RESULTS" |
+      jq -r '"  \(.name): \(.rps|floor)/s"' >&2
+  done
+done
+
+# ---------------------------------------------------------------------------------------
+# d. Memory: Redis bytes per limit, and turnstile RSS at 100 000 live keys (memory backend).
+prefill() { # NAME BACKEND RULE
+  LOAD_WARMUP=0s LOAD_DURATION=60s \
+    load "$1" "$2" "$3" "$BIG" --key-order sequential --requests "$BIG"
+}
+log "memory at $BIG keys"
+start_turnstile redis
+for rule in fwh swh tbh; do
+  rcli FLUSHALL >/dev/null
+  before="$(rcli INFO memory | awk -F: '/^used_memory:/ {print $2+0}')"
+  prefill "redis/prefill/${ALGO[$rule]}" redis "$rule"
+  after="$(rcli INFO memory | awk -F: '/^used_memory:/ {print $2+0}')"
+  dbsize="$(rcli DBSIZE)"
+  sample=0
+  while read -r k; do
+    [ -n "$k" ] && sample=$((sample + $(rcli MEMORY USAGE "$k" SAMPLES 0)))
+  done < <(rcli --scan --pattern "*|$rule=u777|*")
+  jq -nc --arg name "redis_memory/${ALGO[$rule]}" --arg algorithm "${ALGO[$rule]}" \
+    --argjson limits "$BIG" --argjson keys "$dbsize" --argjson delta "$((after - before))" \
+    --argjson sample "$sample" \
+    '{name: $name, backend: "redis", algorithm: $algorithm, limits: $limits, redis_keys: $keys,
+      used_memory_delta: $delta, bytes_per_limit: ($delta / $limits | floor),
+      memory_usage_one_limit: $sample}' | tee -a "$RESULTS" |
+    jq -r '"  \(.name): \(.bytes_per_limit) B/limit (used_memory), MEMORY USAGE \(.memory_usage_one_limit) B, \(.redis_keys) keys"' >&2
+done
+stop "$TS_PID"
+rcli FLUSHALL >/dev/null
+
+for rule in fwh swh tbh; do
+  start_turnstile memory
+  # A first call so the connections and buffers exist before the baseline.
+  "$BIN" bench --target "$GRPC" --key over --keys 1 --duration 1s --warmup 0s --threads 1 \
+    --concurrency "$CONCURRENCY" --connections "$CONNECTIONS" --json >/dev/null
+  before="$(rss_kb "$TS_PID")"
+  prefill "memory/prefill/${ALGO[$rule]}" memory "$rule"
+  after="$(rss_kb "$TS_PID")"
+  jq -nc --arg name "memory_rss/${ALGO[$rule]}" --arg algorithm "${ALGO[$rule]}" \
+    --argjson keys "$BIG" --argjson before "$before" --argjson after "$after" \
+    '{name: $name, backend: "memory", algorithm: $algorithm, keys: $keys, rss_before_kb: $before,
+      rss_after_kb: $after, bytes_per_key: (($after - $before) * 1024 / $keys | floor)}' |
+    tee -a "$RESULTS" |
+    jq -r '"  \(.name): RSS \(.rss_before_kb) -> \(.rss_after_kb) kB, \(.bytes_per_key) B/key"' >&2
+  stop "$TS_PID"
+done
+
+# ---------------------------------------------------------------------------------------
+# e. Rule matching on 10 000 rules.
+log "criterion: benches/matcher.rs"
+cargo bench --quiet --bench matcher -- "${CRITERION[@]}" >"$OUT/criterion.txt" 2>&1 ||
+  { cat "$OUT/criterion.txt" >&2; exit 1; }
+for est in target/criterion/*/*/new/estimates.json; do
+  bench="$(basename "$(dirname "$(dirname "$est")")")"
+  group="$(basename "$(dirname "$(dirname "$(dirname "$est")")")")"
+  jq -c --arg name "criterion/$group/$bench" \
+    '{name: $name, backend: "criterion", mean_ns: (.mean.point_estimate | floor),
+      median_ns: (.median.point_estimate | floor)}' "$est" | tee -a "$RESULTS" |
+    jq -r '"  \(.name): \(.median_ns) ns"' >&2
+done
+
+# ---------------------------------------------------------------------------------------
+python3 scripts/bench_report.py "$RESULTS" $([ "$QUICK" = 1 ] && echo --quick) \
+  >"$OUT/summary.md"
+cat "$OUT/summary.md"
+if [ "$UPDATE_DOC" = 1 ]; then
+  python3 scripts/bench_report.py "$RESULTS" --update BENCHMARKS.md \
+    $([ "$QUICK" = 1 ] && echo --quick)
+  log "BENCHMARKS.md updated"
+fi
+log "results in $OUT"

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Turns the results.jsonl of scripts/bench.sh into Markdown tables.
+
+    bench_report.py RESULTS [--quick]                    print the tables
+    bench_report.py RESULTS [--quick] --update FILE      replace the figures in FILE between
+                                                         <!-- bench:start --> and <!-- bench:end -->
+"""
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+BIG = 100000
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def machine(results_path):
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_kb = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    try:
+        redis = subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True
+        ).stdout.split()[2]
+    except (OSError, IndexError):
+        redis = "unknown"
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "redis": redis.removeprefix("v="),
+        # When the run ended: the results file was last written then.
+        "date": datetime.datetime.fromtimestamp(
+            os.path.getmtime(results_path), datetime.timezone.utc
+        ).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def fmt_int(x):
+    return f"{int(round(x)):,}".replace(",", "\u202f")
+
+
+def main(argv):
+    path = argv[1]
+    quick = "--quick" in argv
+    update = argv[argv.index("--update") + 1] if "--update" in argv else None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    by = {r["name"]: r for r in rows}
+    m = machine(path)
+    out = []
+    w = out.append
+
+    w(
+        f"Measured {m['date']} on {m['nproc']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
+        f"Redis {m['redis']} on the same host; {'`--quick` run' if quick else 'full run'}. "
+        "turnstile, the load generator and Redis share the cores."
+    )
+    w("")
+    w("### Throughput and latency, 64 calls in flight (closed loop)")
+    w("")
+    w("| backend | rule | keys | calls/s | decisions/s | p50 ms | p99 ms | p99.9 ms | OK | OVER_LIMIT | errors | CPU µs/call turnstile · redis · generator | EVALSHA ceiling/s | ÷ ceiling |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    labels = {"over_limit": "fixed_window, limit 1/h (over limit)", "fixed_window_4d": "fixed_window, 4 descriptors/call"}
+    for backend in ("memory", "redis"):
+        for algorithm in ("fixed_window", "sliding_window", "token_bucket", "over_limit", "fixed_window_4d"):
+            for keys in (1, BIG):
+                r = by.get(f"{backend}/{algorithm}/{keys}")
+                if not r:
+                    continue
+                ceiling, ratio = "", ""
+                c = by.get(f"ceiling/{algorithm}/{keys}")
+                if backend == "redis" and c:
+                    ceiling = fmt_int(c["rps"])
+                    ratio = f"{r['rps'] / c['rps'] * 100:.0f}%"
+                lat = r["latency_ms"]
+                cpu = r.get("cpu_us_per_call", {})
+                cpu_cell = " · ".join(
+                    f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
+                )
+                w(
+                    f"| {backend} | {labels.get(algorithm, algorithm)} | {fmt_int(keys)} | {fmt_int(r['rps'])} | "
+                    f"{fmt_int(r['rps'] * r['descriptors'])} | "
+                    f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
+                    f"{fmt_int(r['ok'])} | {fmt_int(r['over_limit'])} | {r['errors']} | {cpu_cell} | {ceiling} | {ratio} |"
+                )
+    c = next((r for r in rows if r["name"].startswith("ceiling/")), None)
+    if c:
+        w("")
+        w(
+            f"Ceiling: `redis-benchmark -c {c['connections']} -P {c['pipeline']}` running "
+            "`EVALSHA` of the assembled batch script with one hit of the same rule "
+            "(the same KEYS/ARGV turnstile sends), against the same Redis in the same run."
+        )
+
+    w("")
+    w("### p99 at 50% of peak (open loop, fixed window, 100 000 keys)")
+    w("")
+    w("| backend | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    for backend in ("memory", "redis"):
+        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
+        peak = by.get(f"{backend}/fixed_window/{BIG}")
+        if not r or not peak:
+            continue
+        lat = r["latency_ms"]
+        service = r.get("service_ms", {}).get("p99")
+        cpu = r.get("cpu_us_per_call", {})
+        cpu_cell = " · ".join(
+            f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
+        )
+        w(
+            f"| {backend} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
+            f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
+            f"{'' if service is None else f'{service:.3f}'} | {cpu_cell} | {r['errors']} | {r['unsent']} |"
+        )
+
+    w("")
+    w("### Memory at 100 000 keys")
+    w("")
+    w("| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |")
+    w("|---|---:|---:|---:|---:|---:|")
+    for algorithm in ("fixed_window", "sliding_window", "token_bucket"):
+        redis = by.get(f"redis_memory/{algorithm}")
+        rss = by.get(f"memory_rss/{algorithm}")
+        if not redis and not rss:
+            continue
+        cells = [algorithm]
+        cells += (
+            [fmt_int(redis["bytes_per_limit"]), fmt_int(redis["redis_keys"]), fmt_int(redis["memory_usage_one_limit"])]
+            if redis
+            else ["", "", ""]
+        )
+        cells += (
+            [f"{rss['rss_before_kb'] / 1024:.1f} → {rss['rss_after_kb'] / 1024:.1f} MiB", fmt_int(rss["bytes_per_key"])]
+            if rss
+            else ["", ""]
+        )
+        w("| " + " | ".join(cells) + " |")
+
+    crit = [r for r in rows if r["name"].startswith("criterion/")]
+    if crit:
+        w("")
+        w("### Rule matching, 10 000 rules (criterion, median)")
+        w("")
+        w("| benchmark | median | mean |")
+        w("|---|---:|---:|")
+        for r in sorted(crit, key=lambda r: r["name"]):
+            w(f"| `{r['name'].removeprefix('criterion/')}` | {r['median_ns']:,} ns | {r['mean_ns']:,} ns |")
+
+    w("")
+    w("### Targets")
+    w("")
+    checks = []
+    ratios = [
+        (a, k, by[f"redis/{a}/{k}"]["rps"] / by[f"ceiling/{a}/{k}"]["rps"])
+        for a in ("fixed_window", "sliding_window", "token_bucket")
+        for k in (1, BIG)
+        if f"redis/{a}/{k}" in by and f"ceiling/{a}/{k}" in by
+    ]
+    if ratios:
+        worst = min(ratios, key=lambda x: x[2])
+        checks.append(
+            (
+                "Redis backend ≥ 60% of the EVALSHA ceiling",
+                all(r >= 0.6 for _, _, r in ratios),
+                f"from {worst[2] * 100:.0f}% ({worst[0]}, {fmt_int(worst[1])} keys) to "
+                f"{max(r for _, _, r in ratios) * 100:.0f}%",
+            )
+        )
+    for backend in ("memory", "redis"):
+        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
+        if r:
+            checks.append(
+                (
+                    f"p99 ≤ 2 ms at 50% of peak ({backend})",
+                    r["latency_ms"]["p99"] <= 2.0 and r["errors"] == 0,
+                    f"p99 {r['latency_ms']['p99']:.3f} ms at {fmt_int(r['rate'])}/s",
+                )
+            )
+    mem = [by[f"memory/{a}/{k}"]["rps"] for a in ("fixed_window", "sliding_window", "token_bucket") for k in (1, BIG) if f"memory/{a}/{k}" in by]
+    if mem:
+        checks.append(
+            (
+                "memory backend ≥ 100 000 decisions/s, one descriptor per call",
+                min(mem) >= 100000,
+                f"{fmt_int(min(mem))} to {fmt_int(max(mem))} calls/s",
+            )
+        )
+    multi = by.get(f"memory/fixed_window_4d/{BIG}")
+    if multi:
+        d = multi["rps"] * multi["descriptors"]
+        checks.append(
+            (
+                "memory backend ≥ 100 000 decisions/s, four descriptors per call",
+                d >= 100000,
+                f"{fmt_int(d)} decisions/s ({fmt_int(multi['rps'])} calls/s)",
+            )
+        )
+    w("| target | met | measured |")
+    w("|---|---|---|")
+    for name, ok, detail in checks:
+        w(f"| {name} | {'yes' if ok else '**no**'} | {detail} |")
+
+    text = "\n".join(out) + "\n"
+    if update:
+        doc = open(update).read()
+        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+        if not pattern.search(doc):
+            sys.exit(f"{update} has no {START} … {END} section")
+        doc = pattern.sub(lambda _: f"{START}\n{text}{END}", doc)
+        open(update, "w").write(doc)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

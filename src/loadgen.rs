@@ -1,0 +1,820 @@
+//! `turnstile bench`: a gRPC load generator for any `RateLimitService` (this one or the
+//! reference), so throughput and latency are measured the way Envoy calls the service.
+//!
+//! Closed loop (the default): `--concurrency` calls are kept in flight, each worker sending
+//! its next call when the previous one answers; this finds the peak rate. Open loop
+//! (`--rate`): calls are due at a fixed arrival rate and each latency is measured from the
+//! time the call was *due*, not from when a worker got round to sending it, so a server that
+//! falls behind shows its queueing in the percentiles instead of slowing the generator down
+//! (no coordinated omission). Every run is bounded in time (`--duration`, plus at most one
+//! `--timeout` to drain) and optionally in count (`--requests`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use hdrhistogram::Histogram;
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
+}
+
+/// The longest run accepted, so a typo cannot start an endless load.
+const MAX_DURATION: Duration = Duration::from_secs(3_600);
+/// Latencies above this are recorded as this (the histogram's range).
+const MAX_LATENCY_NS: u64 = 60_000_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KeyOrder {
+    /// Each descriptor value drawn uniformly from the `--keys` values.
+    Uniform,
+    /// Values in turn (0, 1, 2, … modulo `--keys`): touches every key in `--keys` calls.
+    Sequential,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// gRPC address(es) of the service, comma-separated or repeated; calls go round-robin.
+    #[arg(
+        long = "target",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:8081"
+    )]
+    pub targets: Vec<String>,
+    /// Calls in flight at once (closed loop), or most calls in flight (open loop).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// HTTP/2 connections per target; calls are spread over them.
+    #[arg(long, default_value_t = 2)]
+    pub connections: usize,
+    /// Key cardinality: descriptor values are drawn from this many distinct values.
+    #[arg(long, default_value_t = 1)]
+    pub keys: u64,
+    /// How values are drawn.
+    #[arg(long, value_enum, default_value = "uniform")]
+    pub key_order: KeyOrder,
+    /// Descriptors per request.
+    #[arg(long, default_value_t = 1)]
+    pub descriptors: usize,
+    /// The request's domain.
+    #[arg(long, default_value = "bench")]
+    pub domain: String,
+    /// Descriptor entry key(s), comma-separated: descriptor i uses key i modulo their number.
+    #[arg(long = "key", value_delimiter = ',', default_value = "user")]
+    pub descriptor_keys: Vec<String>,
+    /// Prefix of every descriptor value (values are `<prefix><n>`).
+    #[arg(long, default_value = "u")]
+    pub value_prefix: String,
+    /// How long to measure (at most 1 h).
+    #[arg(long, value_parser = duration, default_value = "10s")]
+    pub duration: Duration,
+    /// Load sent before measuring, not counted.
+    #[arg(long, value_parser = duration, default_value = "1s")]
+    pub warmup: Duration,
+    /// Stop after this many measured calls (0: no cap).
+    #[arg(long, default_value_t = 0)]
+    pub requests: u64,
+    /// Open loop: calls per second at fixed intervals, latency counted from each call's due
+    /// time. Without it the loop is closed.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Open loop: longest the pacer sleeps between releases of due calls. Shorter is more
+    /// precise (a call may leave up to this late, which its latency includes) and costs more
+    /// wake-ups.
+    #[arg(long, value_parser = duration, default_value = "100us")]
+    pub pacer_tick: Duration,
+    /// Bound on one call; a call past it counts as an error.
+    #[arg(long, value_parser = duration, default_value = "1s")]
+    pub timeout: Duration,
+    /// Runtime threads of the generator (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Also report the CPU time of these processes per measured call, as NAME=PID
+    /// (comma-separated or repeated; Linux /proc). The generator's own is always reported.
+    #[arg(long = "watch-pid", value_delimiter = ',', value_parser = watched)]
+    pub watch: Vec<(String, u32)>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn watched(text: &str) -> Result<(String, u32), String> {
+    let (name, pid) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=PID, got {text:?}"))?;
+    let pid = pid.parse().map_err(|e| format!("PID {pid:?}: {e}"))?;
+    Ok((name.to_owned(), pid))
+}
+
+/// User + system CPU seconds a process has used so far (all its threads), from
+/// `/proc/<pid>/stat`; None where that cannot be read.
+fn cpu_seconds(pid: Option<u32>) -> Option<f64> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/stat"),
+        None => "/proc/self/stat".to_owned(),
+    };
+    let stat = std::fs::read_to_string(path).ok()?;
+    // The command name, in parentheses, may hold spaces: count fields after it. utime and
+    // stime are fields 14 and 15 of the line, in clock ticks (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .get(stat.rfind(')')? + 1..)?
+        .split_whitespace()
+        .collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// CPU seconds of the generator ("bench") and of every watched process, now.
+fn cpu_snapshot(watch: &[(String, u32)]) -> Vec<(String, Option<f64>)> {
+    std::iter::once(("bench".to_owned(), cpu_seconds(None)))
+        .chain(
+            watch
+                .iter()
+                .map(|(name, pid)| (name.clone(), cpu_seconds(Some(*pid)))),
+        )
+        .collect()
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1_000, MAX_LATENCY_NS, 3).expect("static histogram bounds")
+}
+
+fn nanos(d: Duration) -> u64 {
+    d.as_nanos().min(u128::from(MAX_LATENCY_NS)) as u64
+}
+
+/// What one worker saw.
+struct Tally {
+    /// From each call's due time (its send time in a closed loop) to its answer.
+    latency: Histogram<u64>,
+    /// From each call's actual send to its answer: differs from `latency` only in an open
+    /// loop, where the gap is time the call waited for a free worker or for the pacer.
+    service: Histogram<u64>,
+    ok: u64,
+    over_limit: u64,
+    other: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        Tally {
+            latency: histogram(),
+            service: histogram(),
+            ok: 0,
+            over_limit: 0,
+            other: 0,
+            errors: BTreeMap::new(),
+        }
+    }
+
+    fn record(
+        &mut self,
+        answer: &Result<RateLimitResponse, String>,
+        latency: Duration,
+        service: Duration,
+    ) {
+        match answer {
+            Ok(response) => {
+                self.latency.saturating_record(nanos(latency));
+                self.service.saturating_record(nanos(service));
+                match Code::try_from(response.overall_code) {
+                    Ok(Code::Ok) => self.ok += 1,
+                    Ok(Code::OverLimit) => self.over_limit += 1,
+                    _ => self.other += 1,
+                }
+            }
+            Err(kind) => *self.errors.entry(kind.clone()).or_default() += 1,
+        }
+    }
+
+    fn merge(&mut self, other: Tally) {
+        // Both histograms have the same bounds, so adding cannot fail.
+        let _ = self.latency.add(&other.latency);
+        let _ = self.service.add(&other.service);
+        self.ok += other.ok;
+        self.over_limit += other.over_limit;
+        self.other += other.other;
+        for (kind, n) in other.errors {
+            *self.errors.entry(kind).or_default() += n;
+        }
+    }
+
+    fn calls(&self) -> u64 {
+        self.ok + self.over_limit + self.other + self.errors.values().sum::<u64>()
+    }
+}
+
+/// Builds the requests: values drawn from `keys`, uniformly or in turn.
+struct Requests {
+    domain: String,
+    keys: Vec<String>,
+    prefix: String,
+    descriptors: usize,
+    cardinality: u64,
+    order: KeyOrder,
+    sequence: AtomicU64,
+}
+
+impl Requests {
+    fn value(&self, rng: &mut fastrand::Rng) -> u64 {
+        match self.order {
+            KeyOrder::Uniform => rng.u64(0..self.cardinality),
+            KeyOrder::Sequential => {
+                self.sequence.fetch_add(1, Ordering::Relaxed) % self.cardinality
+            }
+        }
+    }
+
+    fn build(&self, rng: &mut fastrand::Rng) -> RateLimitRequest {
+        let descriptors = (0..self.descriptors)
+            .map(|i| {
+                let mut value = String::with_capacity(self.prefix.len() + 8);
+                value.push_str(&self.prefix);
+                let _ = write!(value, "{}", self.value(rng));
+                RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: self.keys[i % self.keys.len()].clone(),
+                        value,
+                    }],
+                    ..Default::default()
+                }
+            })
+            .collect();
+        RateLimitRequest {
+            domain: self.domain.clone(),
+            descriptors,
+            hits_addend: 0,
+        }
+    }
+}
+
+/// The shared plan of a run.
+struct Run {
+    requests: Requests,
+    /// When counting starts (after the warm-up) and when sending stops.
+    measure_from: Instant,
+    until: Instant,
+    /// Open loop: when calls are due.
+    schedule: Option<Schedule>,
+    /// Measured calls claimed, for `--requests` (closed loop).
+    measured: AtomicU64,
+    cap: u64,
+}
+
+/// An open loop's timetable: call `i` is due at `start + i * interval`. A pacer thread
+/// releases each call (one semaphore permit) when it falls due; a free worker takes it at
+/// once. The pacer sleeps until the next due time, or `--pacer-tick` at most, so a call may
+/// leave up to that much (plus the thread's wake-up) after its due time; latency counts from
+/// the due time, so that delay is included, never hidden, and the service time (send to
+/// answer) is reported beside it.
+struct Schedule {
+    start: Instant,
+    interval: Duration,
+    /// Calls due in the whole run (warm-up included).
+    total: u64,
+    released: Arc<tokio::sync::Semaphore>,
+    /// Next call to take.
+    next: Arc<AtomicU64>,
+    /// Calls due but never sent, set when the pacer ends.
+    unsent: Arc<AtomicU64>,
+}
+
+impl Schedule {
+    fn new(start: Instant, rate: f64, seconds: f64, cap: u64, warmup_calls: u64) -> Schedule {
+        let mut total = (seconds * rate).ceil() as u64;
+        if cap > 0 {
+            total = total.min(warmup_calls + cap);
+        }
+        Schedule {
+            start,
+            interval: Duration::from_secs_f64(1.0 / rate),
+            total,
+            released: Arc::new(tokio::sync::Semaphore::new(0)),
+            next: Arc::new(AtomicU64::new(0)),
+            unsent: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Release calls as they fall due, on a thread of its own (a runtime timer is only
+    /// precise to the millisecond). Once all are released it waits for them to be taken, at
+    /// most `grace` past the end, then counts the rest as unsent and stops the workers.
+    fn spawn_pacer(
+        &self,
+        rate: f64,
+        tick: Duration,
+        grace: Duration,
+    ) -> std::thread::JoinHandle<()> {
+        let (released, next, unsent) = (
+            self.released.clone(),
+            self.next.clone(),
+            self.unsent.clone(),
+        );
+        let (start, interval, total) = (self.start.into_std(), self.interval, self.total);
+        let end = start + interval.mul_f64(total as f64) + grace;
+        std::thread::spawn(move || {
+            let mut done = 0u64;
+            while done < total {
+                let due = (start.elapsed().as_secs_f64() * rate) as u64 + 1;
+                let due = due.min(total);
+                if due > done {
+                    released.add_permits((due - done) as usize);
+                    done = due;
+                }
+                let next_due = start + interval.mul_f64(done as f64);
+                std::thread::sleep(
+                    next_due
+                        .saturating_duration_since(std::time::Instant::now())
+                        .min(tick),
+                );
+            }
+            while next.load(Ordering::Relaxed) < total && std::time::Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            unsent.store(
+                total.saturating_sub(next.load(Ordering::Relaxed)),
+                Ordering::Relaxed,
+            );
+            released.close();
+        })
+    }
+
+    /// The next due call's time, once it is due; None when the run is over.
+    async fn take(&self) -> Option<Instant> {
+        self.released.acquire().await.ok()?.forget();
+        let slot = self.next.fetch_add(1, Ordering::Relaxed);
+        (slot < self.total).then(|| self.start + self.interval.mul_f64(slot as f64))
+    }
+}
+
+impl Run {
+    /// Claim the next call: its due time (open loop) or now (closed loop), or None when the
+    /// run is over.
+    async fn next_call(&self) -> Option<Instant> {
+        if let Some(schedule) = &self.schedule {
+            return schedule.take().await;
+        }
+        let now = Instant::now();
+        if now >= self.until {
+            return None;
+        }
+        if now >= self.measure_from
+            && self.cap > 0
+            && self.measured.fetch_add(1, Ordering::Relaxed) >= self.cap
+        {
+            return None;
+        }
+        Some(now)
+    }
+}
+
+async fn call(
+    client: &mut RateLimitServiceClient<Channel>,
+    request: RateLimitRequest,
+    timeout: Duration,
+) -> Result<RateLimitResponse, String> {
+    match tokio::time::timeout(timeout, client.should_rate_limit(request)).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(status)) => Err(format!("{:?}", status.code())),
+        Err(_) => Err("Timeout".into()),
+    }
+}
+
+async fn worker(
+    run: Arc<Run>,
+    mut clients: Vec<RateLimitServiceClient<Channel>>,
+    first: usize,
+    seed: u64,
+    timeout: Duration,
+) -> Tally {
+    let mut tally = Tally::new();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut turn = first;
+    while let Some(due) = run.next_call().await {
+        let request = run.requests.build(&mut rng);
+        let count = clients.len();
+        let client = &mut clients[turn % count];
+        turn = turn.wrapping_add(1);
+        let sent = Instant::now();
+        let answer = call(client, request, timeout).await;
+        if due >= run.measure_from {
+            let answered = Instant::now();
+            tally.record(&answer, answered - due, answered - sent);
+        }
+    }
+    tally
+}
+
+async fn connect(targets: &[String], per_target: usize) -> anyhow::Result<Vec<Channel>> {
+    let mut channels = Vec::with_capacity(targets.len() * per_target);
+    for _ in 0..per_target {
+        for target in targets {
+            let uri = if target.contains("://") {
+                target.clone()
+            } else {
+                format!("http://{target}")
+            };
+            let endpoint = Endpoint::from_shared(uri.clone())
+                .with_context(|| format!("invalid target {target}"))?
+                .tcp_nodelay(true)
+                .connect_timeout(Duration::from_secs(5));
+            let channel = endpoint
+                .connect()
+                .await
+                .with_context(|| format!("cannot connect to {uri}"))?;
+            channels.push(channel);
+        }
+    }
+    Ok(channels)
+}
+
+fn quantile_ms(histogram: &Histogram<u64>, q: f64) -> f64 {
+    if histogram.is_empty() {
+        return 0.0;
+    }
+    histogram.value_at_quantile(q) as f64 / 1e6
+}
+
+/// The figures of a finished run.
+pub struct Report {
+    pub args: BenchArgs,
+    pub seconds: f64,
+    pub calls: u64,
+    pub ok: u64,
+    pub over_limit: u64,
+    pub other: u64,
+    pub errors: BTreeMap<String, u64>,
+    pub unsent: u64,
+    /// CPU seconds used during the measured window, per process.
+    pub cpu: Vec<(String, Option<f64>)>,
+    latency: Histogram<u64>,
+    service: Histogram<u64>,
+}
+
+impl Report {
+    pub fn rps(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.calls as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+
+    /// Latency of answered calls at quantile `q`, in milliseconds.
+    pub fn latency_ms(&self, q: f64) -> f64 {
+        quantile_ms(&self.latency, q)
+    }
+
+    /// Service time (send to answer) at quantile `q`, in milliseconds.
+    pub fn service_ms(&self, q: f64) -> f64 {
+        quantile_ms(&self.service, q)
+    }
+
+    pub fn errors_total(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    /// Microseconds of CPU per measured call, per process that could be read.
+    pub fn cpu_us_per_call(&self) -> BTreeMap<String, f64> {
+        self.cpu
+            .iter()
+            .filter_map(|(name, secs)| Some((name.clone(), (*secs)?)))
+            .filter(|_| self.calls > 0)
+            .map(|(name, secs)| (name, (secs * 1e6 / self.calls as f64 * 10.0).round() / 10.0))
+            .collect()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        let a = &self.args;
+        let round = |x: f64| (x * 1000.0).round() / 1000.0;
+        serde_json::json!({
+            "targets": a.targets,
+            "mode": if a.rate.is_some() { "open" } else { "closed" },
+            "rate": a.rate,
+            "concurrency": a.concurrency,
+            "connections": a.connections,
+            "keys": a.keys,
+            "key_order": format!("{:?}", a.key_order).to_lowercase(),
+            "descriptors": a.descriptors,
+            "domain": a.domain,
+            "descriptor_keys": a.descriptor_keys,
+            "seconds": round(self.seconds),
+            "calls": self.calls,
+            "rps": round(self.rps()),
+            "ok": self.ok,
+            "over_limit": self.over_limit,
+            "unknown": self.other,
+            "errors": self.errors_total(),
+            "error_kinds": self.errors,
+            "unsent": self.unsent,
+            "cpu_us_per_call": self.cpu_us_per_call(),
+            "latency_ms": {
+                "p50": round(self.latency_ms(0.5)),
+                "p90": round(self.latency_ms(0.9)),
+                "p99": round(self.latency_ms(0.99)),
+                "p99_9": round(self.latency_ms(0.999)),
+                "max": round(self.latency.max() as f64 / 1e6),
+                "mean": round(self.latency.mean() / 1e6),
+            },
+            "service_ms": {
+                "p50": round(self.service_ms(0.5)),
+                "p99": round(self.service_ms(0.99)),
+                "p99_9": round(self.service_ms(0.999)),
+            },
+        })
+    }
+
+    pub fn text(&self) -> String {
+        let a = &self.args;
+        let mode = match a.rate {
+            Some(rate) => format!(
+                "open loop at {rate:.0}/s (at most {} in flight)",
+                a.concurrency
+            ),
+            None => format!("closed loop, {} in flight", a.concurrency),
+        };
+        let mut out = format!(
+            "turnstile bench: {mode}, {} connection(s) to {}; domain {}, {} descriptor(s) per \
+             request, {} key(s) ({:?})\n",
+            a.connections * a.targets.len(),
+            a.targets.join(","),
+            a.domain,
+            a.descriptors,
+            a.keys,
+            a.key_order,
+        );
+        let _ = writeln!(
+            out,
+            "{} calls in {:.2} s: {:.0} calls/s",
+            self.calls,
+            self.seconds,
+            self.rps()
+        );
+        let _ = writeln!(
+            out,
+            "answers: OK {}, OVER_LIMIT {}, other {}, errors {}{}",
+            self.ok,
+            self.over_limit,
+            self.other,
+            self.errors_total(),
+            if self.errors.is_empty() {
+                String::new()
+            } else {
+                format!(" {:?}", self.errors)
+            }
+        );
+        if self.unsent > 0 {
+            let _ = writeln!(out, "unsent (generator fell behind): {}", self.unsent);
+        }
+        let _ = writeln!(
+            out,
+            "latency: p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms, p99.9 {:.3} ms, max {:.3} ms",
+            self.latency_ms(0.5),
+            self.latency_ms(0.9),
+            self.latency_ms(0.99),
+            self.latency_ms(0.999),
+            self.latency.max() as f64 / 1e6
+        );
+        if a.rate.is_some() {
+            let _ = writeln!(
+                out,
+                "service time (send to answer): p50 {:.3} ms, p99 {:.3} ms, p99.9 {:.3} ms",
+                self.service_ms(0.5),
+                self.service_ms(0.99),
+                self.service_ms(0.999)
+            );
+        }
+        let cpu = self.cpu_us_per_call();
+        if !cpu.is_empty() {
+            let parts: Vec<String> = cpu
+                .iter()
+                .map(|(name, us)| format!("{name} {us:.1} us"))
+                .collect();
+            let _ = writeln!(out, "CPU per call: {}", parts.join(", "));
+        }
+        out
+    }
+}
+
+fn validate(args: &BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.targets.is_empty(), "--target: at least one address");
+    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    anyhow::ensure!(args.connections > 0, "--connections must be at least 1");
+    anyhow::ensure!(args.keys > 0, "--keys must be at least 1");
+    anyhow::ensure!(args.descriptors > 0, "--descriptors must be at least 1");
+    anyhow::ensure!(
+        !args.descriptor_keys.is_empty() && args.descriptor_keys.iter().all(|k| !k.is_empty()),
+        "--key: descriptor keys must not be empty"
+    );
+    anyhow::ensure!(
+        args.duration > Duration::ZERO && args.duration + args.warmup <= MAX_DURATION,
+        "--duration (plus --warmup) must be more than 0 and at most {MAX_DURATION:?}"
+    );
+    if let Some(rate) = args.rate {
+        anyhow::ensure!(
+            rate.is_finite() && rate > 0.0 && rate <= 10_000_000.0,
+            "--rate must be a positive number of calls per second (at most 10 000 000)"
+        );
+    }
+    Ok(())
+}
+
+/// Run the load described by `args` and report what was measured.
+pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
+    validate(&args)?;
+    let channels = connect(&args.targets, args.connections).await?;
+    let clients: Vec<RateLimitServiceClient<Channel>> = channels
+        .into_iter()
+        .map(RateLimitServiceClient::new)
+        .collect();
+
+    let start = Instant::now();
+    let measure_from = start + args.warmup;
+    let until = measure_from + args.duration;
+    let run = Arc::new(Run {
+        requests: Requests {
+            domain: args.domain.clone(),
+            keys: args.descriptor_keys.clone(),
+            prefix: args.value_prefix.clone(),
+            descriptors: args.descriptors,
+            cardinality: args.keys,
+            order: args.key_order,
+            sequence: AtomicU64::new(0),
+        },
+        measure_from,
+        until,
+        schedule: args.rate.map(|rate| {
+            let seconds = (args.warmup + args.duration).as_secs_f64();
+            let warmup_calls = (args.warmup.as_secs_f64() * rate).ceil() as u64;
+            Schedule::new(start, rate, seconds, args.requests, warmup_calls)
+        }),
+        measured: AtomicU64::new(0),
+        cap: args.requests,
+    });
+    let pacer = match (&run.schedule, args.rate) {
+        (Some(schedule), Some(rate)) => {
+            Some(schedule.spawn_pacer(rate, args.pacer_tick, args.timeout))
+        }
+        _ => None,
+    };
+
+    // CPU is sampled when counting starts and once every worker is done.
+    let cpu_at_start = tokio::spawn({
+        let watch = args.watch.clone();
+        async move {
+            tokio::time::sleep_until(measure_from).await;
+            cpu_snapshot(&watch)
+        }
+    });
+    let seed = fastrand::u64(..);
+    let workers: Vec<_> = (0..args.concurrency)
+        .map(|i| {
+            tokio::spawn(worker(
+                run.clone(),
+                clients.clone(),
+                i,
+                seed.wrapping_add(i as u64),
+                args.timeout,
+            ))
+        })
+        .collect();
+    let mut total = Tally::new();
+    for worker in workers {
+        total.merge(worker.await.context("a load worker failed")?);
+    }
+    // Counted calls were sent from `measure_from` on; the last of them answered by now.
+    let seconds = match args.rate {
+        // Open loop: the offered load spans exactly the measured schedule.
+        Some(_) => args.duration.as_secs_f64(),
+        None => (Instant::now().min(until + args.timeout) - measure_from).as_secs_f64(),
+    };
+    let cpu_at_end = cpu_snapshot(&args.watch);
+    if let Some(pacer) = pacer {
+        pacer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the pacer failed"))?;
+    }
+    let cpu_at_start = cpu_at_start.await.context("the CPU sampler failed")?;
+    let cpu = cpu_at_start
+        .into_iter()
+        .zip(cpu_at_end)
+        .map(|((name, start), (_, end))| (name, start.zip(end).map(|(s, e)| e - s)))
+        .collect();
+    let calls = total.calls();
+    Ok(Report {
+        seconds: if args.requests > 0 && calls >= args.requests {
+            (Instant::now() - measure_from).as_secs_f64()
+        } else {
+            seconds
+        },
+        calls,
+        ok: total.ok,
+        over_limit: total.over_limit,
+        other: total.other,
+        errors: total.errors,
+        unsent: run
+            .schedule
+            .as_ref()
+            .map_or(0, |s| s.unsent.load(Ordering::Relaxed)),
+        cpu,
+        latency: total.latency,
+        service: total.service,
+        args,
+    })
+}
+
+/// The `bench` command: run, print, and fail when no call succeeded.
+pub fn main(args: BenchArgs) -> anyhow::Result<Report> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if args.threads > 0 {
+        builder.worker_threads(args.threads);
+    }
+    let runtime = builder
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let json = args.json;
+    let report = runtime.block_on(run(args))?;
+    if json {
+        println!("{}", report.json());
+    } else {
+        print!("{}", report.text());
+    }
+    anyhow::ensure!(
+        report.ok + report.over_limit > 0,
+        "no measured call was answered ({} errors, {} due but unsent)",
+        report.errors_total(),
+        report.unsent
+    );
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watched_processes_are_name_equals_pid() {
+        assert_eq!(watched("redis=42"), Ok(("redis".to_owned(), 42)));
+        assert!(watched("redis").is_err());
+        assert!(watched("redis=x").is_err());
+    }
+
+    #[test]
+    fn own_cpu_time_is_readable_on_linux() {
+        if cfg!(target_os = "linux") {
+            assert!(cpu_seconds(None).is_some_and(|s| s >= 0.0));
+        }
+        assert_eq!(cpu_seconds(Some(u32::MAX)), None);
+    }
+
+    #[test]
+    fn an_open_loop_schedule_counts_its_calls() {
+        let start = Instant::now();
+        let s = Schedule::new(start, 1000.0, 2.5, 0, 0);
+        assert_eq!((s.total, s.interval), (2500, Duration::from_millis(1)));
+        // --requests caps the measured calls, after the warm-up's.
+        assert_eq!(Schedule::new(start, 1000.0, 2.5, 100, 500).total, 600);
+    }
+
+    #[test]
+    fn requests_draw_values_in_turn_or_uniformly() {
+        let requests = |order| Requests {
+            domain: "d".into(),
+            keys: vec!["a".into(), "b".into()],
+            prefix: "u".into(),
+            descriptors: 3,
+            cardinality: 2,
+            order,
+            sequence: AtomicU64::new(0),
+        };
+        let mut rng = fastrand::Rng::with_seed(1);
+        let r = requests(KeyOrder::Sequential).build(&mut rng);
+        let entries: Vec<(&str, &str)> = r
+            .descriptors
+            .iter()
+            .map(|d| (d.entries[0].key.as_str(), d.entries[0].value.as_str()))
+            .collect();
+        assert_eq!(entries, [("a", "u0"), ("b", "u1"), ("a", "u0")]);
+        let uniform = requests(KeyOrder::Uniform);
+        for _ in 0..50 {
+            let r = uniform.build(&mut rng);
+            assert!(
+                r.descriptors
+                    .iter()
+                    .all(|d| ["u0", "u1"].contains(&d.entries[0].value.as_str()))
+            );
+        }
+    }
+}
