@@ -1327,14 +1327,11 @@ async fn a_sharded_limit_spreads_one_hot_key_over_cluster_nodes_and_never_exceed
 
 // ---- concurrency limits --------------------------------------------------------------------
 
-#[tokio::test]
-async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
-    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-    use support::turnstile::{Rules, Turnstile, descriptor, request};
-    let server = RedisServer::start();
-    let rules = Rules::new(
-        "domain: cc\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: request_id\n        rate_limit: {algorithm: concurrency, requests_per_unit: 3, window: 2s}\n",
-    );
+/// Four turnstile instances on `server`, with a generous Redis timeout.
+async fn four_instances(
+    server: &RedisServer,
+    rules: &support::turnstile::Rules,
+) -> Vec<support::turnstile::Turnstile> {
     let extra: Vec<String> = [
         "--backend",
         "redis",
@@ -1345,7 +1342,18 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     ]
     .map(String::from)
     .to_vec();
-    let instances = Turnstile::start_all(rules.path(), &vec![extra; 4]).await;
+    support::turnstile::Turnstile::start_all(rules.path(), &vec![extra; 4]).await
+}
+
+#[tokio::test]
+async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::turnstile::{Rules, descriptor, request};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: cc\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: request_id\n        rate_limit: {algorithm: concurrency, requests_per_unit: 3, window: 2s}\n",
+    );
+    let instances = four_instances(&server, &rules).await;
     let mut next = 0;
     let mut call = async |id: &str, release: bool| {
         let mut r = request(
@@ -1393,22 +1401,12 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
 #[tokio::test]
 async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_instances() {
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    use support::turnstile::{Rules, descriptor, request};
     let server = RedisServer::start();
     let rules = Rules::new(
         "domain: lease\ndescriptors:\n  - key: fixed\n    rate_limit: {unit: hour, requests_per_unit: 200, lease: 10}\n  - key: bucket\n    rate_limit: {unit: hour, requests_per_unit: 200, algorithm: token_bucket, lease: 10}\n",
     );
-    let extra: Vec<String> = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &server.url(),
-        "--redis-timeout",
-        "2s",
-    ]
-    .map(String::from)
-    .to_vec();
-    let instances = Turnstile::start_all(rules.path(), &vec![extra; 4]).await;
+    let instances = four_instances(&server, &rules).await;
     let mut clients = Vec::new();
     for t in &instances {
         clients.push(t.client().await);
