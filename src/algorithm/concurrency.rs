@@ -99,11 +99,7 @@ mod tests {
             units: 1,
             lease: Some((op, id)),
         };
-        let v = Concurrency::check(state, limit, now, cost);
-        if v.admitted {
-            Concurrency::commit(state, limit, now, cost);
-        }
-        v
+        crate::algorithm::run::<Concurrency>(state, limit, now, cost)
     }
 
     #[test]

@@ -74,11 +74,7 @@ mod tests {
     const T0: Micros = 1_699_999_980 * MICROS_PER_SECOND; // a minute boundary
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = FixedWindow::check(state, limit, now, Cost::units(hits));
-        if v.admitted {
-            FixedWindow::commit(state, limit, now, Cost::units(hits));
-        }
-        v
+        crate::algorithm::run::<FixedWindow>(state, limit, now, Cost::units(hits))
     }
 
     #[test]

@@ -78,6 +78,21 @@ pub(crate) fn window_micros(limit: &Limit) -> Micros {
     limit.window * MICROS_PER_SECOND
 }
 
+/// Check, and commit what is admitted: one hit as a backend applies it (for the tests).
+#[cfg(test)]
+pub(crate) fn run<A: Algorithm>(
+    state: &mut A::State,
+    limit: &Limit,
+    now: Micros,
+    cost: Cost<'_>,
+) -> Verdict {
+    let v = A::check(state, limit, now, cost);
+    if v.admitted {
+        A::commit(state, limit, now, cost);
+    }
+    v
+}
+
 /// Saturating conversion for `remaining`, which the protocol carries as u32.
 pub(crate) fn clamp_u32(value: u64) -> u32 {
     u32::try_from(value).unwrap_or(u32::MAX)

@@ -118,11 +118,7 @@ mod tests {
     }
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = SlidingWindow::check(state, limit, now, Cost::units(hits));
-        if v.admitted {
-            SlidingWindow::commit(state, limit, now, Cost::units(hits));
-        }
-        v
+        crate::algorithm::run::<SlidingWindow>(state, limit, now, Cost::units(hits))
     }
 
     #[test]

@@ -92,11 +92,7 @@ mod tests {
     }
 
     fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
-        let v = TokenBucket::check(state, limit, now, Cost::units(hits));
-        if v.admitted {
-            TokenBucket::commit(state, limit, now, Cost::units(hits));
-        }
-        v
+        crate::algorithm::run::<TokenBucket>(state, limit, now, Cost::units(hits))
     }
 
     #[test]
