@@ -12,18 +12,31 @@ use std::fmt::Write;
 
 use crate::limit::{Limit, Unit};
 
+/// The characters a key encodes, and their codes. `%` comes last so that decoding in this
+/// order restores it only after every other code is read.
+const ESCAPES: [(char, &str); 5] = [
+    ('|', "%7C"),
+    ('=', "%3D"),
+    ('{', "%7B"),
+    ('}', "%7D"),
+    ('%', "%25"),
+];
+
 /// Append `text` with the key's separators (and braces) percent-encoded.
 fn push_escaped(out: &mut String, text: &str) {
     for c in text.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '|' => out.push_str("%7C"),
-            '=' => out.push_str("%3D"),
-            '{' => out.push_str("%7B"),
-            '}' => out.push_str("%7D"),
-            _ => out.push(c),
+        match ESCAPES.iter().find(|(plain, _)| *plain == c) {
+            Some((_, code)) => out.push_str(code),
+            None => out.push(c),
         }
     }
+}
+
+/// A key's part as it was before `push_escaped`.
+pub fn unescape(text: &str) -> String {
+    ESCAPES.iter().fold(text.to_owned(), |text, (plain, code)| {
+        text.replace(code, &plain.to_string())
+    })
 }
 
 /// The shard of a limit split over several sub-limits (`shards`).
@@ -85,6 +98,11 @@ mod tests {
             None,
         );
         assert_eq!(braces, "d%7B|%7D=%25|token_bucket:1");
+        for text in ["a|b=c", "{x}", "100%", "%7C", "%|%"] {
+            let mut escaped = String::new();
+            push_escaped(&mut escaped, text);
+            assert_eq!(unescape(&escaped), text);
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! start>`, fixed windows only) is offered so that, during a rolling switch, turnstile and
 //! the Go server count fixed windows on the same keys.
 
+use crate::key::unescape;
 use crate::limit::{Algorithm, Limit};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,15 +57,6 @@ fn reference_key(prefix: &str, identity: &str) -> String {
         }
     }
     key
-}
-
-/// Undo `crate::key`'s percent-encoding of its separators.
-fn unescape(text: &str) -> String {
-    text.replace("%7C", "|")
-        .replace("%3D", "=")
-        .replace("%7B", "{")
-        .replace("%7D", "}")
-        .replace("%25", "%")
 }
 
 #[cfg(test)]
