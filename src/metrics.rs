@@ -141,6 +141,25 @@ impl Recorder for Recorders {
     }
 }
 
+/// The series for `key` in `series`, made on first use; past `max` series, new keys share
+/// one `_overflow_` series, so request-driven labels cannot grow memory without bound.
+fn capped<T: Clone>(
+    series: &Mutex<HashMap<String, T>>,
+    key: &str,
+    max: usize,
+    make: impl FnOnce(&str) -> T,
+) -> T {
+    let mut series = series.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(found) = series.get(key) {
+        return found.clone();
+    }
+    let key = if series.len() >= max { OVERFLOW } else { key };
+    series
+        .entry(key.to_owned())
+        .or_insert_with(|| make(key))
+        .clone()
+}
+
 static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
 
 fn counter(recorder: &dyn Recorder, name: &'static str, labels: Vec<Label>) -> Counter {
@@ -239,18 +258,12 @@ impl Metrics {
 
     /// Counters for a stats key `<domain>.<rest>`, created on first use.
     pub fn rule(&self, stats_key: &str) -> Arc<RuleCounters> {
-        let mut rules = self.rules.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = rules.get(stats_key) {
-            return found.clone();
-        }
-        let stats_key = if rules.len() >= self.max_series {
-            match rules.get(OVERFLOW) {
-                Some(found) => return found.clone(),
-                None => OVERFLOW,
-            }
-        } else {
-            stats_key
-        };
+        capped(&self.rules, stats_key, self.max_series, |stats_key| {
+            self.rule_counters(stats_key)
+        })
+    }
+
+    fn rule_counters(&self, stats_key: &str) -> Arc<RuleCounters> {
         let (domain, key) = stats_key.split_once('.').unwrap_or((stats_key, ""));
         let make = |name| {
             counter(
@@ -262,15 +275,13 @@ impl Metrics {
                 ],
             )
         };
-        let counters = Arc::new(RuleCounters {
+        Arc::new(RuleCounters {
             total_hits: make("ratelimit_service_rate_limit_total_hits"),
             over_limit: make("ratelimit_service_rate_limit_over_limit"),
             near_limit: make("ratelimit_service_rate_limit_near_limit"),
             within_limit: make("ratelimit_service_rate_limit_within_limit"),
             shadow_mode: make("ratelimit_service_rate_limit_shadow_mode"),
-        });
-        rules.insert(stats_key.to_owned(), counters.clone());
-        counters
+        })
     }
 
     /// Count one hit on a rule, with the reference's near-limit arithmetic: the part of an
@@ -327,29 +338,14 @@ impl Metrics {
     }
 
     pub fn domain_not_found(&self, domain: &str) {
-        let mut domains = self
-            .domains_not_found
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = domains.get(domain) {
-            found.increment(1);
-            return;
-        }
-        let domain = if domains.len() >= self.max_series {
-            OVERFLOW
-        } else {
-            domain
-        };
-        domains
-            .entry(domain.to_owned())
-            .or_insert_with(|| {
-                counter(
-                    &self.recorder,
-                    "ratelimit_service_rate_limit_domain_not_found",
-                    vec![Label::new("domain", domain.to_owned())],
-                )
-            })
-            .increment(1);
+        capped(&self.domains_not_found, domain, self.max_series, |domain| {
+            counter(
+                &self.recorder,
+                "ratelimit_service_rate_limit_domain_not_found",
+                vec![Label::new("domain", domain.to_owned())],
+            )
+        })
+        .increment(1);
     }
 }
 
