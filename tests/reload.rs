@@ -105,6 +105,8 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 7}\n",
         "domain: d\ndescriptors:\n  - key: k\n    ratelimit: {unit: hour, requests_per_unit: 7}\n",
         "",
+        // Once crashed the process: the reload runs on a worker thread's small stack.
+        support::turnstile::nested_rules("d", 2_000).as_str(),
     ] {
         r.write("rules.yaml", broken);
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -113,7 +115,7 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
     assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
     assert!(
-        metrics.contains("ratelimit_service_config_load_error 4"),
+        metrics.contains("ratelimit_service_config_load_error 5"),
         "{metrics}"
     );
     r.write("rules.yaml", &rules("d", 7));

@@ -60,18 +60,40 @@ impl Node {
     }
 }
 
+/// Deepest nesting of lists and maps a config file may have. The reference's files rarely
+/// go past a dozen levels (a descriptor level is two: its list and its map); the bound keeps
+/// every recursive walk of the tree (validation, matching, dropping it) far from the end of
+/// a 2 MiB worker stack, where a reload runs.
+pub const MAX_DEPTH: usize = 64;
+
 /// Every document in `text`, in order. A file may hold several `---` documents.
 pub fn parse(file: &str, text: &str) -> Result<Vec<Node>, ConfigError> {
+    let error = |marker: Marker, message: String| ConfigError::at(file, Pos::of(marker), message);
+    // Editors on Windows start files with a byte order mark; YAML readers skip it.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut builder = TreeBuilder::default();
-    Parser::new_from_str(text)
-        .load(&mut builder, true)
-        .map_err(|e| {
-            ConfigError::at(
-                file,
-                Pos::of(*e.marker()),
+    // Events are pulled one at a time rather than through `Parser::load`, which recurses once
+    // per nesting level: a deep enough file would overflow the stack before any check ran.
+    let mut parser = Parser::new_from_str(text);
+    loop {
+        let (event, mark) = parser.next_token().map_err(|e| {
+            error(
+                *e.marker(),
                 format!("error loading config file: {}", e.info()),
             )
         })?;
+        let opens = matches!(event, Event::SequenceStart(..) | Event::MappingStart(..));
+        if opens && builder.open.len() >= MAX_DEPTH {
+            return Err(error(
+                mark,
+                format!("config nested deeper than {MAX_DEPTH} levels of lists and maps"),
+            ));
+        }
+        if event == Event::StreamEnd {
+            break;
+        }
+        builder.on_event(event, mark);
+    }
     // Expanding aliases would let a tiny file grow without bound; rules never need them.
     if let Some(pos) = builder.first_alias {
         return Err(ConfigError::at(
@@ -312,6 +334,49 @@ mod tests {
             err.message,
             "YAML aliases (*name) are not supported in config files"
         );
+    }
+
+    #[test]
+    fn nesting_is_bounded_before_the_tree_is_built() {
+        // Block style nests by indentation, flow style by brackets: each is refused at the
+        // first collection past the bound, however deep the file goes (the parser's own
+        // recursive loader would overflow the stack on these).
+        let block = |depth: usize| {
+            (0..depth)
+                .map(|i| format!("{}- k{i}:\n", "  ".repeat(2 * i)))
+                .collect::<String>()
+        };
+        let flow = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        let too_deep = format!("config nested deeper than {MAX_DEPTH} levels of lists and maps");
+        // The scanner reads flow brackets ahead of the parser and has its own bound (255).
+        let scanner_bound = "error loading config file: recursion limit exceeded";
+        for (text, error) in [
+            (block(MAX_DEPTH / 2), None),
+            (flow(MAX_DEPTH), None),
+            (block(MAX_DEPTH / 2 + 1), Some(too_deep.as_str())),
+            (flow(MAX_DEPTH + 1), Some(&too_deep)),
+            (block(2_000), Some(&too_deep)),
+            (flow(2_000), Some(scanner_bound)),
+        ] {
+            let result = std::thread::Builder::new()
+                .stack_size(256 * 1024)
+                .spawn(move || parse("deep.yaml", &text).map(|_| ()))
+                .unwrap()
+                .join()
+                .expect("parsing must not overflow a small stack");
+            assert_eq!(result.map_err(|e| e.message).err().as_deref(), error);
+        }
+        let e = parse("deep.yaml", &flow(100)).unwrap_err();
+        assert_eq!((e.line, e.column), (1, MAX_DEPTH + 1));
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_skipped() {
+        let docs = parse("bom.yaml", "\u{feff}domain: d\n").unwrap();
+        let Kind::Map(entries) = &docs[0].kind else {
+            panic!("root is not a map: {:?}", docs[0]);
+        };
+        assert_eq!(entries[0].0, scalar("domain", true, 1, 1));
     }
 
     #[test]

@@ -46,6 +46,21 @@ impl Rules {
     }
 }
 
+/// Rules for `domain` whose descriptors nest `depth` levels deep (each level a list and a
+/// map), written in block style as a person would.
+pub fn nested_rules(domain: &str, depth: usize) -> String {
+    let mut yaml = format!("domain: {domain}\ndescriptors:\n");
+    for level in 0..depth {
+        let indent = "  ".repeat(level);
+        yaml.push_str(&format!("{indent}- key: k{level}\n{indent}  descriptors:\n"));
+    }
+    yaml.push_str(&format!(
+        "{}- key: last\n{0}  rate_limit: {{unit: hour, requests_per_unit: 1}}\n",
+        "  ".repeat(depth)
+    ));
+    yaml
+}
+
 pub struct Turnstile {
     child: Child,
     pub grpc: SocketAddr,
