@@ -2,7 +2,8 @@
 //! reference has them, a debug port (`/rlconfig`) and a Prometheus port of their own.
 //!
 //! Status codes follow the reference: `/healthcheck` 200 `OK` or 500; `/json` 200 for OK,
-//! 429 for OVER_LIMIT, 400 with the message for a bad body or a failed call.
+//! 429 for OVER_LIMIT, 400 with the message for a bad body or request, 503 when the backend
+//! failed (see `json::error_status`).
 
 use std::sync::Arc;
 
@@ -76,7 +77,7 @@ async fn check_json<B: Backend>(State(admin): State<Arc<Admin<B>>>, body: Bytes)
             };
             (status, axum::Json(json::response_json(&response))).into_response()
         }
-        Err(status) => (StatusCode::BAD_REQUEST, status.message().to_owned()).into_response(),
+        Err(status) => (json::error_status(&status), status.message().to_owned()).into_response(),
     }
 }
 

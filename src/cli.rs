@@ -351,9 +351,10 @@ pub struct ServeArgs {
     /// Most entries in one descriptor.
     #[arg(long, env = "TURNSTILE_MAX_ENTRIES", default_value_t = 32)]
     pub max_entries: usize,
-    /// Longest domain, key or value, in bytes.
-    #[arg(long, env = "TURNSTILE_MAX_BYTES", default_value_t = 1024)]
-    pub max_bytes: usize,
+    /// Most bytes in a descriptor's keys and values together (and in the domain). It bounds
+    /// what one backend key or metric series can cost.
+    #[arg(long, env = "TURNSTILE_MAX_DESCRIPTOR_BYTES", default_value_t = crate::request::DEFAULT_MAX_DESCRIPTOR_BYTES)]
+    pub max_descriptor_bytes: usize,
     /// Most live keys the memory backend holds.
     #[arg(long, env = "TURNSTILE_MEMORY_MAX_KEYS", default_value_t = crate::backend::memory::DEFAULT_MAX_KEYS)]
     pub memory_max_keys: usize,

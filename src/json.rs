@@ -133,6 +133,15 @@ pub fn parse_request(body: &[u8]) -> Result<RateLimitRequest, String> {
     })
 }
 
+/// The HTTP status of a failed call: 400 only for a request at fault (`INVALID_ARGUMENT`);
+/// anything else is the service's failure (the backend down or its circuit open), 503.
+pub fn error_status(status: &tonic::Status) -> http::StatusCode {
+    match status.code() {
+        tonic::Code::InvalidArgument => http::StatusCode::BAD_REQUEST,
+        _ => http::StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
 fn code_name(code: i32) -> &'static str {
     Code::try_from(code).map_or("UNKNOWN", |c| c.as_str_name())
 }
@@ -214,6 +223,19 @@ mod tests {
             a.descriptors[0].limit.as_ref().unwrap().unit,
             Unit::Minute as i32
         );
+    }
+
+    #[test]
+    fn only_a_request_at_fault_is_a_bad_request() {
+        for (code, http) in [
+            (tonic::Code::InvalidArgument, 400),
+            (tonic::Code::Unavailable, 503),
+            (tonic::Code::DeadlineExceeded, 503),
+            (tonic::Code::ResourceExhausted, 503),
+        ] {
+            let status = tonic::Status::new(code, "backend circuit open");
+            assert_eq!(error_status(&status).as_u16(), http, "{code:?}");
+        }
     }
 
     #[test]

@@ -3,27 +3,50 @@
 //!
 //! Everything after this step may assume non-empty keys, bounded sizes, a valid override
 //! and a cost that fits the arithmetic, so nothing downstream can panic or grow on input.
+//!
+//! To Envoy an error is not a refusal: with its default `failure_mode_deny: false` it lets the
+//! request through. So `INVALID_ARGUMENT` is kept for what Envoy cannot send, and everything
+//! else gets an answer:
+//! - an empty domain (its filter config requires one), no descriptors (it does not call),
+//!   a descriptor without entries (every action set yields at least one entry or drops the
+//!   descriptor), an empty key (its `Entry.key` is validated non-empty), an override unit
+//!   outside the enum (it parses units by name): Envoy never sends these;
+//! - more descriptors, entries or descriptor bytes than `Bounds` allows: resource bounds,
+//!   configurable, whose defaults are far above what Envoy's actions produce (a descriptor
+//!   is a handful of short keys and header or metadata values);
+//! - an override of `requests_per_unit: 0` admits nothing and is answered `OVER_LIMIT`, as
+//!   the reference does (operators block a tenant that way); one with unit `UNKNOWN`, which
+//!   Envoy passes on from dynamic metadata, names no window: it is ignored, so the rules
+//!   in force apply instead of nothing.
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
+
 use crate::limit::Unit;
 
 /// Size bounds on requests. Generous for Envoy's real descriptors, small enough that one
-/// request cannot cost much memory or CPU.
+/// request cannot cost much memory or CPU. Every key in a backend and every request-driven
+/// metric label is built from one descriptor (and the domain), so `max_descriptor_bytes`
+/// also bounds what one key or series costs, in turnstile and in Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bounds {
     pub max_descriptors: usize,
     pub max_entries: usize,
-    pub max_bytes: usize,
+    /// The domain's length, and a descriptor's keys and values added together.
+    pub max_descriptor_bytes: usize,
 }
+
+/// Default for `Bounds::max_descriptor_bytes`.
+pub const DEFAULT_MAX_DESCRIPTOR_BYTES: usize = 4096;
 
 impl Default for Bounds {
     fn default() -> Self {
         Bounds {
             max_descriptors: 64,
             max_entries: 32,
-            max_bytes: 1024,
+            max_descriptor_bytes: DEFAULT_MAX_DESCRIPTOR_BYTES,
         }
     }
 }
@@ -58,12 +81,11 @@ pub struct CheckRequest<'r> {
 #[error("{0}")]
 pub struct InvalidRequest(pub String);
 
-fn check_len(what: impl FnOnce() -> String, text: &str, max: usize) -> Result<(), InvalidRequest> {
-    if text.len() > max {
+fn check_len(what: impl FnOnce() -> String, len: usize, max: usize) -> Result<(), InvalidRequest> {
+    if len > max {
         return Err(InvalidRequest(format!(
-            "{} is {} bytes; the maximum is {max}",
-            what(),
-            text.len()
+            "{} is {len} bytes; the maximum is {max}",
+            what()
         )));
     }
     Ok(())
@@ -78,7 +100,11 @@ impl<'r> CheckRequest<'r> {
         if request.domain.is_empty() {
             return Err(InvalidRequest("rate limit domain must not be empty".into()));
         }
-        check_len(|| "domain".into(), &request.domain, bounds.max_bytes)?;
+        check_len(
+            || "domain".into(),
+            request.domain.len(),
+            bounds.max_descriptor_bytes,
+        )?;
         if request.descriptors.is_empty() {
             return Err(InvalidRequest(
                 "rate limit descriptor list must not be empty".into(),
@@ -129,34 +155,23 @@ impl<'r> Descriptor<'r> {
             if entry.key.is_empty() {
                 return Err(invalid(format!("entry {j} has an empty key")));
             }
-            check_len(
-                || format!("descriptor {index}: entry {j} key"),
-                &entry.key,
-                bounds.max_bytes,
-            )?;
-            check_len(
-                || format!("descriptor {index}: entry {j} value"),
-                &entry.value,
-                bounds.max_bytes,
-            )?;
             entries.push((entry.key.as_str(), entry.value.as_str()));
         }
-        let limit_override = descriptor
-            .limit
-            .as_ref()
-            .map(|o| {
-                let unit = Unit::from_proto(o.unit).ok_or_else(|| {
+        check_len(
+            || format!("descriptor {index}: keys and values together"),
+            entries.iter().map(|(k, v)| k.len() + v.len()).sum(),
+            bounds.max_descriptor_bytes,
+        )?;
+        let limit_override = match &descriptor.limit {
+            None => None,
+            Some(o) if o.unit == ProtoUnit::Unknown as i32 => None,
+            Some(o) => Some(Override {
+                requests_per_unit: o.requests_per_unit,
+                unit: Unit::from_proto(o.unit).ok_or_else(|| {
                     invalid(format!("limit override has an invalid unit ({})", o.unit))
-                })?;
-                if o.requests_per_unit == 0 {
-                    return Err(invalid("limit override has requests_per_unit 0".into()));
-                }
-                Ok(Override {
-                    requests_per_unit: o.requests_per_unit,
-                    unit,
-                })
-            })
-            .transpose()?;
+                })?,
+            }),
+        };
         // A descriptor's own addend wins, including 0 ("check only"). Costs are capped at
         // u32::MAX: any larger cost is over every limit just the same. Negative hits (sent
         // when a stream ends) charge nothing: they give back a concurrency lease, or read.
@@ -230,10 +245,19 @@ mod tests {
             ])),
             "descriptor 1: entry 1 has an empty key"
         );
-        let long = "x".repeat(1025);
+        // 4 096 bytes of keys and values pass; one more does not, however it is split.
+        let fits = descriptor(&[("k", &"x".repeat(2047)), ("key", &"y".repeat(2045))]);
+        assert!(CheckRequest::parse(&request(vec![fits]), &Bounds::default()).is_ok());
         assert_eq!(
-            error(&request(vec![descriptor(&[("k", &long)])])),
-            "descriptor 0: entry 0 value is 1025 bytes; the maximum is 1024"
+            error(&request(vec![descriptor(&[
+                ("k", &"x".repeat(2048)),
+                ("key", &"y".repeat(2045))
+            ])])),
+            "descriptor 0: keys and values together is 4097 bytes; the maximum is 4096"
+        );
+        assert_eq!(
+            error(&request(vec![descriptor(&[("k", "v")]), descriptor(&[("k", "v"); 1366])])),
+            "descriptor 1: 1366 entries; the maximum is 32"
         );
         assert_eq!(
             error(&request(vec![descriptor(&[("k", "v")]); 65])),
@@ -242,20 +266,45 @@ mod tests {
         let mut d = descriptor(&[("k", "v")]);
         d.limit = Some(RateLimitOverride {
             requests_per_unit: 5,
-            unit: 0,
-        });
-        assert_eq!(
-            error(&request(vec![d.clone()])),
-            "descriptor 0: limit override has an invalid unit (0)"
-        );
-        d.limit = Some(RateLimitOverride {
-            requests_per_unit: 0,
-            unit: 1,
+            unit: 99,
         });
         assert_eq!(
             error(&request(vec![d])),
-            "descriptor 0: limit override has requests_per_unit 0"
+            "descriptor 0: limit override has an invalid unit (99)"
         );
+    }
+
+    #[test]
+    fn overrides_envoy_can_send_are_answered_not_refused() {
+        // (requests_per_unit, unit) -> the override in force.
+        for (requests_per_unit, unit, expected) in [
+            (
+                0,
+                1,
+                Some(Override {
+                    requests_per_unit: 0,
+                    unit: Unit::Second,
+                }),
+            ),
+            (
+                5,
+                7,
+                Some(Override {
+                    requests_per_unit: 5,
+                    unit: Unit::Week,
+                }),
+            ),
+            (5, 0, None),
+        ] {
+            let mut d = descriptor(&[("k", "v")]);
+            d.limit = Some(RateLimitOverride {
+                requests_per_unit,
+                unit,
+            });
+            let r = request(vec![d]);
+            let parsed = CheckRequest::parse(&r, &Bounds::default()).unwrap();
+            assert_eq!(parsed.descriptors[0].limit_override, expected);
+        }
     }
 
     #[test]

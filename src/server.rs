@@ -57,7 +57,7 @@ fn settings(args: &ServeArgs) -> Settings {
         bounds: Bounds {
             max_descriptors: args.max_descriptors,
             max_entries: args.max_entries,
-            max_bytes: args.max_bytes,
+            max_descriptor_bytes: args.max_descriptor_bytes,
         },
         charging: match args.charging {
             ChargingArg::Atomic => Charging::Atomic,

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::turnstile::{Rules, Turnstile, descriptor, request};
+use support::turnstile::{Rules, Turnstile, descriptor, nested_rules, request};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -241,6 +241,27 @@ async fn a_request_override_replaces_the_limit_and_counts_separately() {
         [2],
         "the configured limit has its own counter"
     );
+
+    // Overrides Envoy passes on from dynamic metadata get answers, never errors (an error
+    // lets the request through): 0 per unit blocks, as in the reference; an UNKNOWN unit names
+    // no window, so the configured rule (1 per hour) decides.
+    for (requests_per_unit, unit, expected, left, name) in [
+        (0, Unit::Second, Code::OverLimit, 0, "override"),
+        (0, Unit::Day, Code::OverLimit, 0, "override"),
+        (7, Unit::Unknown, Code::Ok, 0, "test.narrow"),
+        (7, Unit::Unknown, Code::OverLimit, 0, "test.narrow"),
+    ] {
+        let mut r = request("test", vec![descriptor(&[("narrow", "o")])]);
+        r.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit,
+            unit: unit as i32,
+        });
+        let answer = t.call(r).await.unwrap();
+        assert_eq!(code(&answer), expected, "{requests_per_unit}/{unit:?}");
+        assert_eq!(remaining(&answer), [left]);
+        let status = &answer.statuses[0];
+        assert_eq!(status.current_limit.as_ref().unwrap().name, name);
+    }
 }
 
 #[tokio::test]
@@ -317,7 +338,7 @@ async fn malformed_requests_get_invalid_argument_and_count_nothing() {
                 "test",
                 vec![good(), descriptor(&[("k", &"v".repeat(5000))])],
             ),
-            "descriptor 1: entry 0 value is 5000 bytes; the maximum is 1024",
+            "descriptor 1: keys and values together is 5001 bytes; the maximum is 4096",
         ),
         (
             request("test", vec![good(); 65]),
@@ -327,11 +348,11 @@ async fn malformed_requests_get_invalid_argument_and_count_nothing() {
     let mut bad_unit = request("test", vec![good()]);
     bad_unit.descriptors[0].limit = Some(RateLimitOverride {
         requests_per_unit: 1,
-        unit: Unit::Unknown as i32,
+        unit: 99,
     });
     cases.push((
         bad_unit,
-        "descriptor 0: limit override has an invalid unit (0)",
+        "descriptor 0: limit override has an invalid unit (99)",
     ));
     for (bad, message) in cases {
         let status = t.call(bad).await.unwrap_err();
@@ -380,6 +401,34 @@ async fn http_endpoints_answer_as_the_reference() {
     ] {
         assert!(metrics.contains(line), "{line} missing in\n{metrics}");
     }
+}
+
+/// A failed backend is the service's fault, not the request's: `/json` answers 503 (400 is
+/// for bad requests).
+#[tokio::test]
+async fn json_answers_503_when_the_backend_fails() {
+    let mut redis = support::redis::RedisServer::start();
+    let rules = Rules::new(RULES);
+    let url = redis.url();
+    let args = ["--backend", "redis", "--redis-url", &url];
+    let t = Turnstile::start(rules.path(), &[&args[..], &["--on-backend-error", "error"]].concat()).await;
+    let body = r#"{"domain":"test","descriptors":[{"entries":[{"key":"wide","value":"j"}]}]}"#;
+    // Redis is connected in the background: wait for a first answer from it.
+    let start = std::time::Instant::now();
+    loop {
+        let (status, message) = t.http_post("/json", body).await.unwrap();
+        if status == 200 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{status} {message}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    redis.stop();
+    let (status, message) = t.http_post("/json", body).await.unwrap();
+    assert_eq!(status, 503, "{message}");
+    assert!(message.contains("backend"), "{message}");
+    let (status, _) = t.http_post("/json", r#"{"domain":""}"#).await.unwrap();
+    assert_eq!(status, 400, "a bad request stays one while the backend is down");
 }
 
 #[tokio::test]
@@ -474,23 +523,40 @@ fn check_command_summarises_or_lists_every_error() {
 
 #[test]
 fn serve_refuses_to_start_on_bad_rules_and_says_where() {
-    let bad = Rules::new("domain: bad\ndescriptors:\n  - value: x\n");
+    // Rows: rules, and what stderr must contain. `check` and start-up read rules the same way.
+    let too_deep = "config nested deeper than 64 levels of lists and maps";
+    for (yaml, expected) in [
+        (
+            "domain: bad\ndescriptors:\n  - value: x\n".to_owned(),
+            ["rules.yaml:3:", "descriptor has empty key"],
+        ),
+        // 2 000 levels once passed on the main thread's large stack and crashed a reload.
+        (nested_rules("deep", 2_000), ["rules.yaml:65:", too_deep]),
+        (nested_rules("deep", 31), ["rules.yaml:65:", too_deep]),
+    ] {
+        let bad = Rules::new(&yaml);
+        let serve = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"];
+        for command in [&["check"][..], &serve] {
+            let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+                .args(command)
+                .arg("--config")
+                .arg(bad.path())
+                .output()
+                .unwrap();
+            assert!(!out.status.success(), "{command:?}");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            for part in expected {
+                assert!(stderr.contains(part), "{command:?}: {stderr}");
+            }
+        }
+    }
+    let fine = Rules::new(&nested_rules("deep", 30));
     let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .args([
-            "serve",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--config",
-        ])
-        .arg(bad.path())
+        .args(["check", "--config"])
+        .arg(fine.path())
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("rules.yaml:3:"), "{stderr}");
-    assert!(stderr.contains("descriptor has empty key"), "{stderr}");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A CA, a server certificate for localhost and a client certificate, as PEM files.
