@@ -125,8 +125,8 @@ fn decision(c: &mut Criterion) {
         .expect("runtime");
     let limiter = RateLimiter::new(
         Arc::new(ActiveRules::new(rules())),
-        MemoryBackend::new(1_000_000),
-        Fallback::new(1.0, 1_000),
+        MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
+        Fallback::new(1.0, 1_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
         Settings::default(),
         Arc::new(Metrics::new(0.8, 10_000)),
     );

@@ -358,9 +358,17 @@ pub struct ServeArgs {
     /// Most live keys the memory backend holds.
     #[arg(long, env = "TURNSTILE_MEMORY_MAX_KEYS", default_value_t = crate::backend::memory::DEFAULT_MAX_KEYS)]
     pub memory_max_keys: usize,
-    /// Most metric series whose labels come from requests.
+    /// Most bytes the memory backend's live keys take (keys and per-key state, as counted).
+    #[arg(long, env = "TURNSTILE_MEMORY_MAX_BYTES", default_value_t = crate::backend::memory::DEFAULT_MAX_BYTES)]
+    pub memory_max_bytes: usize,
+    /// Most metric series whose labels come from requests (detailed_metric values, override
+    /// keys, unknown domains).
     #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES)]
     pub max_series: usize,
+    /// Most bytes those series take (their labels, as often as they are kept, and a fixed
+    /// cost per counter); configured rules' series are outside this budget.
+    #[arg(long, env = "TURNSTILE_MAX_SERIES_BYTES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES_BYTES)]
+    pub max_series_bytes: usize,
 
     /// Report not-serving while the rules define no domain.
     #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]

@@ -60,8 +60,8 @@ pub struct Fallback {
 }
 
 impl Fallback {
-    pub fn new(local_share: f64, max_keys: usize) -> Fallback {
-        let local = MemoryBackend::new(max_keys);
+    pub fn new(local_share: f64, max_keys: usize, max_bytes: usize) -> Fallback {
+        let local = MemoryBackend::new(max_keys, max_bytes);
         Fallback { local, local_share }
     }
 
@@ -130,7 +130,7 @@ mod tests {
 
     #[test]
     fn policies_answer_without_the_backend() {
-        let f = Fallback::new(0.25, 100);
+        let f = Fallback::new(0.25, 100, crate::backend::memory::DEFAULT_MAX_BYTES);
         let hits = [hit(8)];
         assert!(
             f.outcomes(FailurePolicy::Error, &hits, Charging::Atomic)
@@ -144,7 +144,7 @@ mod tests {
 
     #[test]
     fn local_mode_limits_at_the_configured_share() {
-        let f = Fallback::new(0.25, 100);
+        let f = Fallback::new(0.25, 100, crate::backend::memory::DEFAULT_MAX_BYTES);
         let admitted = (0..10)
             .filter(|_| {
                 f.outcomes(FailurePolicy::Local, &[hit(8)], Charging::Atomic)

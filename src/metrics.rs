@@ -2,9 +2,11 @@
 //!
 //! The reference's statsd names (`ratelimit.service.rate_limit.<domain>.<key>.total_hits`)
 //! map to `ratelimit_service_rate_limit_total_hits{domain, key}`, as its default Prometheus
-//! mapping does. Series whose labels come from requests (detailed metrics, unknown domains)
-//! are capped: past the cap they fold into one `_overflow_` series, so clients cannot grow
-//! memory without bound.
+//! mapping does. Series of configured rules always exist: the rules bound their number.
+//! Series whose labels come from requests (detailed metrics, overrides, unknown domains) have
+//! a budget of their own, in series and in bytes (a label is up to a descriptor's few KiB):
+//! past it they fold into one `_overflow_` series, so clients can neither grow memory without
+//! bound nor take the series of real rules away.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,6 +33,40 @@ const LATENCY_BUCKETS: [f64; 12] = [
 
 /// Default cap on series whose labels come from requests.
 pub const DEFAULT_MAX_SERIES: usize = 10_000;
+
+/// Default cap on the bytes of series whose labels come from requests.
+pub const DEFAULT_MAX_SERIES_BYTES: usize = 32 << 20;
+
+/// What one counter costs besides its labels: its key, handle and the exporter's entry.
+const COUNTER_OVERHEAD: usize = 256;
+
+/// Counters of one rule series.
+const RULE_COUNTERS: usize = 5;
+
+/// The bytes a series of `counters` counters labelled with `label_bytes` is accounted: each
+/// counter holds its own copy of the labels, and the exposition writes them again on every
+/// scrape; our own map keeps one more.
+fn series_bytes(counters: usize, label_bytes: usize) -> usize {
+    counters * (2 * label_bytes + COUNTER_OVERHEAD) + label_bytes
+}
+
+/// Whose words a stats key is, which decides whose budget its series take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StatsKey<'a> {
+    /// A configured rule's key: the rules bound how many there are.
+    Rule(&'a str),
+    /// Built from a request's values (`detailed_metric`, overrides).
+    Request(String),
+}
+
+impl StatsKey<'_> {
+    pub fn as_str(&self) -> &str {
+        match self {
+            StatsKey::Rule(key) => key,
+            StatsKey::Request(key) => key,
+        }
+    }
+}
 
 const OVERFLOW: &str = "_overflow_";
 
@@ -71,9 +107,11 @@ pub struct Metrics {
     methods: Vec<MethodMetrics>,
     handle: PrometheusHandle,
     near_limit_ratio: f64,
-    max_series: usize,
+    /// Series of configured rules.
     rules: Mutex<HashMap<String, Arc<RuleCounters>>>,
-    domains_not_found: Mutex<HashMap<String, Counter>>,
+    /// Series whose labels come from requests, within their own budget.
+    requested: Mutex<Requested>,
+    budget: SeriesBudget,
     pub config_load_success: Counter,
     pub config_load_error: Counter,
     pub global_shadow_mode: Counter,
@@ -141,23 +179,69 @@ impl Recorder for Recorders {
     }
 }
 
-/// The series for `key` in `series`, made on first use; past `max` series, new keys share
-/// one `_overflow_` series, so request-driven labels cannot grow memory without bound.
+/// The budget of series whose labels come from requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeriesBudget {
+    pub max_series: usize,
+    /// As `series_bytes` counts them.
+    pub max_bytes: usize,
+}
+
+impl Default for SeriesBudget {
+    fn default() -> Self {
+        SeriesBudget {
+            max_series: DEFAULT_MAX_SERIES,
+            max_bytes: DEFAULT_MAX_SERIES_BYTES,
+        }
+    }
+}
+
+/// The request-driven series, and what they take of the budget.
+#[derive(Default)]
+struct Requested {
+    rules: HashMap<String, Arc<RuleCounters>>,
+    domains_not_found: HashMap<String, Counter>,
+    series: usize,
+    bytes: usize,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The maps are only inserted into; a panic elsewhere leaves them consistent.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The series for `key` in `series`, made on first use. It is charged to `requested`'s
+/// budget; past the budget, new keys share one `_overflow_` series (which the budget holds
+/// room for, so it is never refused).
 fn capped<T: Clone>(
-    series: &Mutex<HashMap<String, T>>,
+    requested: &mut Requested,
+    series: impl Fn(&mut Requested) -> &mut HashMap<String, T>,
+    budget: SeriesBudget,
     key: &str,
-    max: usize,
+    counters: usize,
     make: impl FnOnce(&str) -> T,
 ) -> T {
-    let mut series = series.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(found) = series.get(key) {
+    if let Some(found) = series(requested).get(key) {
         return found.clone();
     }
-    let key = if series.len() >= max { OVERFLOW } else { key };
-    series
-        .entry(key.to_owned())
-        .or_insert_with(|| make(key))
-        .clone()
+    let bytes = series_bytes(counters, key.len());
+    let room = series_bytes(RULE_COUNTERS + 1, OVERFLOW.len());
+    let fits =
+        requested.series < budget.max_series && requested.bytes + bytes + room <= budget.max_bytes;
+    let (key, bytes) = if fits {
+        (key, bytes)
+    } else {
+        (OVERFLOW, series_bytes(counters, OVERFLOW.len()))
+    };
+    let map = series(requested);
+    if let Some(found) = map.get(key) {
+        return found.clone();
+    }
+    let made = make(key);
+    map.insert(key.to_owned(), made.clone());
+    requested.series += 1;
+    requested.bytes += bytes;
+    made
 }
 
 static METADATA: Metadata<'static> = Metadata::new(module_path!(), metrics::Level::INFO, None);
@@ -167,14 +251,19 @@ fn counter(recorder: &dyn Recorder, name: &'static str, labels: Vec<Label>) -> C
 }
 
 impl Metrics {
+    /// Metrics whose request-driven series are at most `max_series`, in the default bytes.
     pub fn new(near_limit_ratio: f64, max_series: usize) -> Metrics {
-        Metrics::with_statsd(near_limit_ratio, max_series, None)
+        let budget = SeriesBudget {
+            max_series,
+            ..SeriesBudget::default()
+        };
+        Metrics::with_statsd(near_limit_ratio, budget, None)
     }
 
     /// Metrics that are also exported to statsd through `statsd`.
     pub fn with_statsd(
         near_limit_ratio: f64,
-        max_series: usize,
+        budget: SeriesBudget,
         statsd: Option<StatsdRecorder>,
     ) -> Metrics {
         let prometheus = PrometheusBuilder::new()
@@ -228,9 +317,9 @@ impl Metrics {
             recorder,
             handle,
             near_limit_ratio,
-            max_series,
             rules: Mutex::default(),
-            domains_not_found: Mutex::default(),
+            requested: Mutex::default(),
+            budget,
         }
     }
 
@@ -257,10 +346,27 @@ impl Metrics {
     }
 
     /// Counters for a stats key `<domain>.<rest>`, created on first use.
-    pub fn rule(&self, stats_key: &str) -> Arc<RuleCounters> {
-        capped(&self.rules, stats_key, self.max_series, |stats_key| {
-            self.rule_counters(stats_key)
-        })
+    pub fn rule(&self, stats_key: &StatsKey<'_>) -> Arc<RuleCounters> {
+        match stats_key {
+            StatsKey::Rule(key) => lock(&self.rules)
+                .entry((*key).to_owned())
+                .or_insert_with(|| self.rule_counters(key))
+                .clone(),
+            StatsKey::Request(key) => capped(
+                &mut lock(&self.requested),
+                |r| &mut r.rules,
+                self.budget,
+                key,
+                RULE_COUNTERS,
+                |key| self.rule_counters(key),
+            ),
+        }
+    }
+
+    /// Series and bytes (as counted) of the request-driven series.
+    pub fn requested_series(&self) -> (usize, usize) {
+        let requested = lock(&self.requested);
+        (requested.series, requested.bytes)
     }
 
     fn rule_counters(&self, stats_key: &str) -> Arc<RuleCounters> {
@@ -338,13 +444,20 @@ impl Metrics {
     }
 
     pub fn domain_not_found(&self, domain: &str) {
-        capped(&self.domains_not_found, domain, self.max_series, |domain| {
-            counter(
-                &self.recorder,
-                "ratelimit_service_rate_limit_domain_not_found",
-                vec![Label::new("domain", domain.to_owned())],
-            )
-        })
+        capped(
+            &mut lock(&self.requested),
+            |r| &mut r.domains_not_found,
+            self.budget,
+            domain,
+            1,
+            |domain| {
+                counter(
+                    &self.recorder,
+                    "ratelimit_service_rate_limit_domain_not_found",
+                    vec![Label::new("domain", domain.to_owned())],
+                )
+            },
+        )
         .increment(1);
     }
 }
@@ -364,8 +477,8 @@ mod tests {
 
     #[test]
     fn rule_counters_follow_the_reference_arithmetic() {
-        let m = Metrics::new(0.8, 100);
-        let rule = m.rule("dom.key1_value1.subkey1");
+        let m = Metrics::new(0.8, DEFAULT_MAX_SERIES);
+        let rule = m.rule(&StatsKey::Rule("dom.key1_value1.subkey1"));
         // limit 10: the 9th and 10th hits are near the limit (threshold 8).
         for remaining in (0..10).rev() {
             let o = outcome(true, remaining);
@@ -405,16 +518,70 @@ mod tests {
     }
 
     #[test]
-    fn request_driven_series_are_capped() {
+    fn request_driven_series_are_capped_in_number_and_bytes() {
+        let series = |text: &str, name: &str| text.lines().filter(|l| l.starts_with(name)).count();
         let m = Metrics::new(0.8, 3);
         for i in 0..50 {
-            m.rule(&format!("d.user_{i}"));
+            m.rule(&StatsKey::Request(format!("d.user_{i}")));
             m.domain_not_found(&format!("nope{i}"));
         }
         let text = m.render();
-        let series = |name: &str| text.lines().filter(|l| l.starts_with(name)).count();
-        assert_eq!(series("ratelimit_service_rate_limit_total_hits{"), 4);
-        assert_eq!(series("ratelimit_service_rate_limit_domain_not_found{"), 4);
+        // Three series in all, and each kind its own overflow series.
+        assert_eq!(series(&text, "ratelimit_service_rate_limit_total_hits{"), 3);
+        assert_eq!(
+            series(&text, "ratelimit_service_rate_limit_domain_not_found{"),
+            2
+        );
         assert!(text.contains(OVERFLOW));
+
+        // A byte budget: long labels run out of it long before the series cap.
+        let budget = SeriesBudget {
+            max_series: 10_000,
+            max_bytes: 1 << 20,
+        };
+        let m = Metrics::with_statsd(0.8, budget, None);
+        for i in 0..1_000 {
+            m.rule(&StatsKey::Request(format!("d.{i}_{}", "v".repeat(4096))));
+        }
+        let (count, bytes) = m.requested_series();
+        assert!(bytes <= budget.max_bytes, "{bytes}");
+        assert!(
+            bytes > budget.max_bytes * 3 / 4,
+            "{bytes}: the budget is used"
+        );
+        assert!(
+            (20..40).contains(&count),
+            "{count} series of ~41 KB in 1 MiB"
+        );
+        assert!(
+            m.render().len() < budget.max_bytes,
+            "a scrape is bounded too"
+        );
+    }
+
+    #[test]
+    fn configured_rules_keep_their_series_when_requests_used_up_the_budget() {
+        let m = Metrics::new(0.8, 10);
+        for i in 0..100 {
+            m.rule(&StatsKey::Request(format!("d.user_{i}")));
+        }
+        let o = outcome(true, 4);
+        for i in 0..100 {
+            let rule = m.rule(&StatsKey::Rule(&format!("d.rule{i}")));
+            let hit = RuleHit {
+                outcome: &o,
+                limit: 5,
+                hits: 1,
+                shadow: false,
+            };
+            m.record(&rule, hit);
+        }
+        let text = m.render();
+        for i in 0..100 {
+            let line = format!(
+                "ratelimit_service_rate_limit_total_hits{{domain=\"d\",key=\"rule{i}\"}} 1"
+            );
+            assert!(text.contains(&line), "{line} missing");
+        }
     }
 }

@@ -5,7 +5,6 @@
 //! replaced rule is never counted. Two descriptors that name the same state share one hit
 //! (their costs added), so a request can never race itself.
 
-use std::borrow::Cow;
 use std::collections::HashSet;
 
 use crate::algorithm::LeaseOp;
@@ -14,6 +13,7 @@ use crate::config::{DomainRules, Rule, RuleSet};
 use crate::fallback::FailurePolicy;
 use crate::key::{Shard, limit_key};
 use crate::limit::{Algorithm, Limit};
+use crate::metrics::StatsKey;
 use crate::request::{CheckRequest, Descriptor};
 
 /// The rule (or request override) that governs a descriptor.
@@ -23,7 +23,7 @@ pub struct Applied<'a> {
     /// every answer says which rule decided), or "override" for a request-supplied limit.
     pub name: &'a str,
     /// The stats key its counters are filed under.
-    pub stats_key: Cow<'a, str>,
+    pub stats_key: StatsKey<'a>,
     pub role: Role,
     /// Index of its hit in `Plan::hits`.
     pub hit: usize,
@@ -204,7 +204,8 @@ impl<'a> Plan<'a> {
         let (limit, also, shared, shards, applied) = match (descriptor.limit_override, rule) {
             (Some(o), _) => {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
-                let stats_key = Cow::Owned(detailed_stats_key(domain.name(), descriptor, &[]));
+                let stats_key =
+                    StatsKey::Request(detailed_stats_key(domain.name(), descriptor, &[]));
                 let applied = ("override", stats_key, Role::Enforce);
                 (limit, &[][..], &[][..], 1, applied)
             }
@@ -217,9 +218,9 @@ impl<'a> Plan<'a> {
                     return Decision::Unlimited;
                 };
                 let stats_key = if rule.detailed_metric {
-                    Cow::Owned(detailed_stats_key(domain.name(), descriptor, &rule.shared))
+                    StatsKey::Request(detailed_stats_key(domain.name(), descriptor, &rule.shared))
                 } else {
-                    Cow::Borrowed(rule.full_key.as_str())
+                    StatsKey::Rule(rule.full_key.as_str())
                 };
                 let role = if rule.shadow_mode {
                     Role::Shadow

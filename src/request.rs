@@ -256,7 +256,10 @@ mod tests {
             "descriptor 0: keys and values together is 4097 bytes; the maximum is 4096"
         );
         assert_eq!(
-            error(&request(vec![descriptor(&[("k", "v")]), descriptor(&[("k", "v"); 1366])])),
+            error(&request(vec![
+                descriptor(&[("k", "v")]),
+                descriptor(&[("k", "v"); 1366])
+            ])),
             "descriptor 1: 1366 entries; the maximum is 32"
         );
         assert_eq!(

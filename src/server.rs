@@ -159,7 +159,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::with_statsd(
         args.near_limit_ratio,
-        args.max_series,
+        crate::metrics::SeriesBudget {
+            max_series: args.max_series,
+            max_bytes: args.max_series_bytes,
+        },
         statsd,
     ));
     metrics.spawn_upkeep(METRICS_UPKEEP_PERIOD);
@@ -179,7 +182,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     match backend {
         BackendKind::Memory => {
-            let backend = MemoryBackend::new(args.memory_max_keys);
+            let backend = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes);
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             let backend = Measured::new(backend, metrics.clone());
             run(backend, &args, rules, metrics).await
@@ -211,7 +214,11 @@ async fn run<B: Backend>(
     let rules = Arc::new(ActiveRules::new(rules));
     let reloader = Reloader::new(args.rules.source(), rules.clone(), metrics.clone());
     let watcher = tokio::spawn(reloader.watch(args.config_poll_interval));
-    let fallback = Fallback::new(args.local_share, args.memory_max_keys);
+    let fallback = Fallback::new(
+        args.local_share,
+        args.memory_max_keys,
+        args.memory_max_bytes,
+    );
     fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);
     let breaker = BreakerConfig {
         failures_to_open: args.breaker_failures,

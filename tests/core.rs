@@ -411,7 +411,11 @@ async fn json_answers_503_when_the_backend_fails() {
     let rules = Rules::new(RULES);
     let url = redis.url();
     let args = ["--backend", "redis", "--redis-url", &url];
-    let t = Turnstile::start(rules.path(), &[&args[..], &["--on-backend-error", "error"]].concat()).await;
+    let t = Turnstile::start(
+        rules.path(),
+        &[&args[..], &["--on-backend-error", "error"]].concat(),
+    )
+    .await;
     let body = r#"{"domain":"test","descriptors":[{"entries":[{"key":"wide","value":"j"}]}]}"#;
     // Redis is connected in the background: wait for a first answer from it.
     let start = std::time::Instant::now();
@@ -420,7 +424,10 @@ async fn json_answers_503_when_the_backend_fails() {
         if status == 200 {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "{status} {message}");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{status} {message}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     redis.stop();
@@ -428,7 +435,94 @@ async fn json_answers_503_when_the_backend_fails() {
     assert_eq!(status, 503, "{message}");
     assert!(message.contains("backend"), "{message}");
     let (status, _) = t.http_post("/json", r#"{"domain":""}"#).await.unwrap();
-    assert_eq!(status, 400, "a bad request stays one while the backend is down");
+    assert_eq!(
+        status, 400,
+        "a bad request stays one while the backend is down"
+    );
+}
+
+/// Resident memory of a process, from /proc.
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
+/// A flood of the largest descriptors a client may send, every one new and under an override
+/// (a backend key and a request-driven series each): memory stays within the configured
+/// bytes, and configured rules keep their series.
+#[tokio::test]
+async fn request_driven_memory_stays_within_its_byte_bounds() {
+    const SERIES_BYTES: u64 = 4 << 20;
+    const MEMORY_BYTES: u64 = 8 << 20;
+    let rules = Rules::new(RULES);
+    let (series, memory) = (SERIES_BYTES.to_string(), MEMORY_BYTES.to_string());
+    let args = ["--max-series-bytes", &series, "--memory-max-bytes", &memory];
+    let t = Turnstile::start(rules.path(), &args).await;
+    t.call(request("test", vec![descriptor(&[("wide", "warm-up")])]))
+        .await
+        .unwrap();
+    let before = rss_bytes(t.pid());
+    let mut client = t.client().await;
+    let (mut answered, mut refused_full) = (0, 0);
+    for call in 0..200 {
+        // 64 descriptors of 4 096 bytes: 256 KiB per call, 51 MiB in all.
+        let descriptors = (0..64)
+            .map(|i| {
+                let value = format!("{call}-{i}-{}", "v".repeat(4096));
+                let mut d = descriptor(&[("k", &value[..4095])]);
+                d.limit = Some(RateLimitOverride {
+                    requests_per_unit: 10,
+                    unit: Unit::Year as i32,
+                });
+                d
+            })
+            .collect();
+        match client.should_rate_limit(request("test", descriptors)).await {
+            Ok(_) => answered += 1,
+            Err(status) => {
+                assert!(status.message().contains("bytes"), "{status:?}");
+                refused_full += 1;
+            }
+        }
+    }
+    let after = rss_bytes(t.pid());
+    let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    println!(
+        "RSS {} MiB -> {} MiB over 200 calls of 256 KiB ({answered} answered, {refused_full} \
+         refused as full); a scrape is {} KiB",
+        before >> 20,
+        after >> 20,
+        metrics.len() >> 10
+    );
+    assert!(
+        answered > 0 && refused_full > 0,
+        "the memory cap was reached"
+    );
+    // The caps account keys and labels with their copies, not the allocator's slack and
+    // the buffers of requests in flight: allow twice the caps and a margin.
+    let bound = 2 * (SERIES_BYTES + MEMORY_BYTES) + (16 << 20);
+    assert!(
+        after.saturating_sub(before) < bound,
+        "RSS grew by {} MiB",
+        (after - before) >> 20
+    );
+    assert!(
+        (metrics.len() as u64) < SERIES_BYTES,
+        "a scrape is bounded too"
+    );
+    assert!(metrics.contains(r#"domain="_overflow_""#));
+
+    // A configured rule first hit after the flood still gets its own series.
+    t.call(request("test", vec![descriptor(&[("narrow", "late")])]))
+        .await
+        .unwrap();
+    let late = r#"ratelimit_service_rate_limit_total_hits{domain="test",key="narrow"}"#;
+    assert_eq!(t.metric(late).await, Some(1.0));
 }
 
 #[tokio::test]
@@ -535,7 +629,13 @@ fn serve_refuses_to_start_on_bad_rules_and_says_where() {
         (nested_rules("deep", 31), ["rules.yaml:65:", too_deep]),
     ] {
         let bad = Rules::new(&yaml);
-        let serve = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"];
+        let serve = [
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ];
         for command in [&["check"][..], &serve] {
             let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
                 .args(command)
@@ -556,7 +656,11 @@ fn serve_refuses_to_start_on_bad_rules_and_says_where() {
         .arg(fine.path())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A CA, a server certificate for localhost and a client certificate, as PEM files.

@@ -202,7 +202,11 @@ async fn cluster_single_and_memory_give_the_same_fixed_window_answers() {
     away_from_boundary(HOUR, 5 * SEC).await;
     let cluster = RedisCluster::shared();
     let server = RedisServer::start();
-    let memory = fixed_window_script(&MemoryBackend::new(1000)).await;
+    let memory = fixed_window_script(&MemoryBackend::new(
+        1000,
+        turnstile::backend::memory::DEFAULT_MAX_BYTES,
+    ))
+    .await;
     let single = fixed_window_script(&single(&server, "eq:").await).await;
     let clustered = fixed_window_script(&clustered(&cluster, "eq:").await).await;
 
@@ -1228,7 +1232,7 @@ async fn retry_error_ms(backend: &impl Backend, h: &Hit, fill: usize) -> f64 {
 async fn retry_times_are_when_admission_resumes() {
     let server = RedisServer::start();
     let cluster = RedisCluster::shared();
-    let memory = MemoryBackend::new(1_000);
+    let memory = MemoryBackend::new(1_000, turnstile::backend::memory::DEFAULT_MAX_BYTES);
     let single = single(&server, "retry:").await;
     let clustered = clustered(&cluster, "retry:").await;
     let cases = [

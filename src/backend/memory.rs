@@ -3,8 +3,9 @@
 //! State is split over shards, each a mutex around a map; a request locks the shards of its
 //! keys in ascending order (so two requests can never deadlock), checks every hit, then
 //! charges. Locks are held for microseconds and never across an await. Expired state is
-//! equivalent to fresh state, so it is dropped lazily and by a periodic sweep, and a cap on
-//! live keys bounds memory whatever keys clients invent.
+//! equivalent to fresh state, so it is dropped lazily and by a periodic sweep, and caps on
+//! live keys and on their bytes bound memory whatever keys clients invent: a count alone
+//! would let long keys (a descriptor is up to a few KiB) cost a hundred times more.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -23,6 +24,18 @@ const SHARDS: usize = 64;
 
 /// Default cap on live keys.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+/// Default cap on the bytes live keys take.
+pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
+
+/// What one entry costs besides its key's bytes: the map's slot (key, state and control
+/// byte, at its load factor) and the key's heap block.
+const ENTRY_OVERHEAD: usize = 2 * std::mem::size_of::<(String, Entry)>() + 16;
+
+/// The bytes an entry for `key` is accounted.
+fn entry_bytes(key: &str) -> usize {
+    key.len() + ENTRY_OVERHEAD
+}
 
 enum KeyState {
     Fixed(fixed_window::State),
@@ -69,7 +82,31 @@ stored!(SlidingWindow, Sliding);
 stored!(TokenBucket, Bucket);
 stored!(Concurrency, Leases);
 
-type Shard = HashMap<String, Entry>;
+/// One shard's entries, and the bytes they are accounted.
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<String, Entry>,
+    bytes: usize,
+}
+
+impl Shard {
+    fn get(&self, key: &str) -> Option<&Entry> {
+        self.entries.get(key)
+    }
+
+    /// Drop expired entries.
+    fn sweep(&mut self, now: Micros) {
+        let mut freed = 0;
+        self.entries.retain(|key, e| {
+            let live = e.expires_at > now;
+            if !live {
+                freed += entry_bytes(key);
+            }
+            live
+        });
+        self.bytes -= freed;
+    }
+}
 
 fn check<A: Stored>(entry: Option<&Entry>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
     let live = entry
@@ -122,8 +159,8 @@ fn sweep(shards: &[Mutex<Shard>], now: Micros) -> usize {
         .iter()
         .map(|shard| {
             let mut shard = lock(shard);
-            shard.retain(|_, e| e.expires_at > now);
-            shard.len()
+            shard.sweep(now);
+            shard.entries.len()
         })
         .sum()
 }
@@ -140,15 +177,23 @@ pub struct MemoryBackend {
     shards: Arc<[Mutex<Shard>]>,
     hasher: RandomState,
     max_keys_per_shard: usize,
+    max_bytes_per_shard: usize,
 }
 
 impl MemoryBackend {
-    pub fn new(max_keys: usize) -> MemoryBackend {
+    /// At most `max_keys` live keys taking at most `max_bytes` (as `entry_bytes` counts).
+    pub fn new(max_keys: usize, max_bytes: usize) -> MemoryBackend {
         MemoryBackend {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
             max_keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
+            max_bytes_per_shard: max_bytes.div_ceil(SHARDS),
         }
+    }
+
+    /// The bytes live keys are accounted, up to `max_bytes`.
+    pub fn bytes(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).bytes).sum()
     }
 
     fn shard_of(&self, key: &str) -> usize {
@@ -225,16 +270,22 @@ impl MemoryBackend {
     }
 
     fn charge(&self, shard: &mut Shard, hit: &Hit, now: Micros) -> Result<(), BackendError> {
-        if let Some(entry) = shard.get_mut(&hit.key) {
+        if let Some(entry) = shard.entries.get_mut(&hit.key) {
             commit_any(entry, hit, now);
             return Ok(());
         }
-        if shard.len() >= self.max_keys_per_shard {
-            shard.retain(|_, e| e.expires_at > now);
-            if shard.len() >= self.max_keys_per_shard {
+        let bytes = entry_bytes(&hit.key);
+        let full = |shard: &Shard| {
+            shard.entries.len() >= self.max_keys_per_shard
+                || shard.bytes + bytes > self.max_bytes_per_shard
+        };
+        if full(shard) {
+            shard.sweep(now);
+            if full(shard) {
                 return Err(BackendError::Full(format!(
-                    "more than {} live keys",
-                    self.max_keys_per_shard * SHARDS
+                    "more than {} live keys or {} bytes of them",
+                    self.max_keys_per_shard * SHARDS,
+                    self.max_bytes_per_shard * SHARDS
                 )));
             }
         }
@@ -243,7 +294,8 @@ impl MemoryBackend {
             expires_at: 0,
         };
         commit_any(&mut entry, hit, now);
-        shard.insert(hit.key.clone(), entry);
+        shard.entries.insert(hit.key.clone(), entry);
+        shard.bytes += bytes;
         Ok(())
     }
 }
@@ -298,7 +350,7 @@ mod tests {
 
     #[test]
     fn a_refused_request_charges_none_of_its_hits() {
-        let b = MemoryBackend::new(100);
+        let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
         let wide = hit("wide", Limit::fixed(10, Unit::Minute), Role::Enforce);
         let narrow = hit("narrow", Limit::fixed(1, Unit::Minute), Role::Enforce);
         let both = [wide.clone(), narrow];
@@ -314,7 +366,7 @@ mod tests {
 
     #[test]
     fn per_descriptor_charging_charges_admitted_hits_of_refused_requests() {
-        let b = MemoryBackend::new(100);
+        let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
         let wide = hit("wide", Limit::fixed(10, Unit::Minute), Role::Enforce);
         let narrow = hit("narrow", Limit::fixed(0, Unit::Minute), Role::Enforce);
         b.evaluate_now(&[wide.clone(), narrow], Charging::PerDescriptor, T0)
@@ -325,7 +377,7 @@ mod tests {
 
     #[test]
     fn shadow_hits_never_refuse_the_request() {
-        let b = MemoryBackend::new(100);
+        let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
         let shadow = hit("s", Limit::fixed(0, Unit::Second), Role::Shadow);
         let real = hit("r", Limit::fixed(5, Unit::Second), Role::Enforce);
         b.evaluate_now(&[shadow, real.clone()], Charging::Atomic, T0)
@@ -336,7 +388,7 @@ mod tests {
 
     #[test]
     fn every_algorithm_runs_on_it_and_state_expires() {
-        let b = MemoryBackend::new(100);
+        let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
         for algorithm in Kind::ALL {
             let limit = Limit {
                 algorithm,
@@ -358,8 +410,40 @@ mod tests {
     }
 
     #[test]
+    fn the_byte_cap_holds_whatever_the_key_lengths() {
+        // 64 KiB over 64 shards: 1 KiB each. Keys of 100 bytes fit several to a shard,
+        // keys of 4 KiB none; known keys are still charged when the cap is reached.
+        let max = 64 << 10;
+        let limit = Limit::fixed(100, Unit::Day);
+        let now = now_micros();
+        for (len, fits) in [(100, true), (4096, false)] {
+            let b = MemoryBackend::new(1_000_000, max);
+            let key = |i: usize| format!("{i:0len$}");
+            let admitted = (0..2_000)
+                .filter(|&i| {
+                    let h = hit(&key(i), limit, Role::Enforce);
+                    b.evaluate_now(&[h], Charging::Atomic, now).is_ok()
+                })
+                .count();
+            assert!(b.bytes() <= max, "{len}: {} bytes", b.bytes());
+            assert_eq!(admitted > 0, fits, "{len}: {admitted} admitted");
+            if fits {
+                assert!(b.bytes() > max / 2, "{len}: the cap is not far too tight");
+                let known = (0..2_000)
+                    .find(|&i| lock(&b.shards[b.shard_of(&key(i))]).get(&key(i)).is_some())
+                    .unwrap();
+                let again = hit(&key(known), limit, Role::Enforce);
+                assert_eq!(
+                    b.evaluate_now(&[again], Charging::Atomic, now).unwrap()[0].remaining,
+                    98
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_key_cap_refuses_new_keys_but_not_known_ones() {
-        let b = MemoryBackend::new(1);
+        let b = MemoryBackend::new(1, DEFAULT_MAX_BYTES);
         let limit = Limit::fixed(100, Unit::Day);
         let now = now_micros();
         let mut full = 0;

@@ -52,7 +52,9 @@ pub fn nested_rules(domain: &str, depth: usize) -> String {
     let mut yaml = format!("domain: {domain}\ndescriptors:\n");
     for level in 0..depth {
         let indent = "  ".repeat(level);
-        yaml.push_str(&format!("{indent}- key: k{level}\n{indent}  descriptors:\n"));
+        yaml.push_str(&format!(
+            "{indent}- key: k{level}\n{indent}  descriptors:\n"
+        ));
     }
     yaml.push_str(&format!(
         "{}- key: last\n{0}  rate_limit: {{unit: hour, requests_per_unit: 1}}\n",
