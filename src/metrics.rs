@@ -364,7 +364,8 @@ impl Metrics {
     }
 
     /// Series and bytes (as counted) of the request-driven series.
-    pub fn requested_series(&self) -> (usize, usize) {
+    #[cfg(test)]
+    fn requested_series(&self) -> (usize, usize) {
         let requested = lock(&self.requested);
         (requested.series, requested.bytes)
     }

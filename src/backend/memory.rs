@@ -192,7 +192,8 @@ impl MemoryBackend {
     }
 
     /// The bytes live keys are accounted, up to `max_bytes`.
-    pub fn bytes(&self) -> usize {
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
         self.shards.iter().map(|s| lock(s).bytes).sum()
     }
 
