@@ -726,6 +726,70 @@ fn unmatched(bootstrap: &Value, rules: &Path) -> (usize, Vec<String>) {
 }
 
 #[test]
+fn descriptors_are_assembled_as_the_filter_does() {
+    let key = |value: &str| json!([{"actions": [{"generic_key": {"descriptor_value": value}}]}]);
+    let per_route = |fields: Value| {
+        let mut config = json!({
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute"
+        });
+        merge(&mut config, &fields);
+        config
+    };
+    let mut stage_1 = key("stage-1");
+    stage_1[0]["stage"] = json!(1);
+    // (the route's rate_limits, its RateLimitPerRoute, the generic_key values sent)
+    let table = [
+        (json!([]), Value::Null, vec!["vh"]),
+        (key("route"), Value::Null, vec!["route"]),
+        (
+            key("route"),
+            per_route(json!({"vh_rate_limits": "INCLUDE"})),
+            vec!["route", "vh"],
+        ),
+        (
+            json!([]),
+            per_route(json!({"vh_rate_limits": "IGNORE"})),
+            vec![],
+        ),
+        (
+            key("route"),
+            per_route(json!({"rate_limits": key("per-route")})),
+            vec!["per-route"],
+        ),
+        // The filter is at stage 0: a stage-1 policy is another filter's.
+        (stage_1, Value::Null, vec![]),
+    ];
+    for (own, per_route, expected) in table {
+        let mut bootstrap = with_filter("edge", "app");
+        for vhost in virtual_hosts(&mut bootstrap) {
+            vhost["rate_limits"] = key("vh");
+            let route = &mut vhost["routes"][0];
+            route["route"]["rate_limits"] = own.clone();
+            if !per_route.is_null() {
+                route["typed_per_filter_config"] = json!({RATELIMIT_FILTER: per_route.clone()});
+            }
+        }
+        let values: Vec<Option<String>> = sent(&bootstrap)
+            .iter()
+            .map(|d| d.entries[0].1[0].clone())
+            .collect();
+        let expected: Vec<Option<String>> = expected.iter().map(|v| Some(v.to_string())).collect();
+        assert_eq!(values, expected, "route {own}, per-route {per_route}");
+    }
+
+    // An optional header's entry is tried present and absent.
+    let optional = Sent {
+        domain: "edge".into(),
+        entries: vec![
+            ("a".into(), vec![Some("x".into()), None]),
+            ("b".into(), vec![Some("y".into())]),
+        ],
+        from: "test".into(),
+    };
+    assert_eq!(combinations(&optional), [vec!["a=x", "b=y"], vec!["b=y"]]);
+}
+
+#[test]
 fn every_descriptor_the_examples_send_matches_a_rule() {
     let mut checked = BTreeMap::new();
     for path in envoy_bootstraps() {
@@ -837,7 +901,48 @@ fn docker_compose_mounts_existing_files_and_runs_valid_commands() {
                 "service {name}: port {port} not published"
             );
         }
+        let redis = redis_host(serve.redis_url.as_deref().expect("--redis-url"));
+        assert!(
+            services.contains_key(redis),
+            "service {name}: Redis host {redis} is no service"
+        );
     }
+    // Every host a mounted Envoy config sends to is a service.
+    let mut envoy_configs = 0;
+    for (name, service) in services {
+        for volume in strings(&service["volumes"]) {
+            let source = volume.split(':').next().unwrap();
+            let Some(config) = source
+                .ends_with(".yaml")
+                .then(|| load_yaml(&root().join(source)).remove(0))
+                .filter(|c| !c["static_resources"].is_null())
+            else {
+                continue;
+            };
+            envoy_configs += 1;
+            for cluster in array(&config["static_resources"]["clusters"]) {
+                for endpoints in array(&cluster["load_assignment"]["endpoints"]) {
+                    for endpoint in array(&endpoints["lb_endpoints"]) {
+                        let host = &endpoint["endpoint"]["address"]["socket_address"]["address"];
+                        let host = host.as_str().unwrap_or("");
+                        assert!(
+                            services.contains_key(host),
+                            "service {name}: {source} sends cluster {} to {host}, no service",
+                            cluster["name"]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(envoy_configs > 0, "no service mounts an Envoy config");
+}
+
+/// The host of a `redis://host:port` URL (or a bare `host:port`).
+fn redis_host(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+    rest.split([':', '/']).next().unwrap_or(rest)
 }
 
 #[test]
@@ -869,12 +974,37 @@ fn istio_manifests_refer_to_what_exists() {
                 }
             }
             let config = config.expect("TURNSTILE_CONFIG");
+            // The rules: a whole ConfigMap of this directory mounted there (a subPath mount
+            // never sees the ConfigMap's updates).
+            let mount = array(&container["volumeMounts"])
+                .iter()
+                .find(|m| m["mountPath"] == config)
+                .unwrap_or_else(|| panic!("container {name}: {config} is not mounted"));
             assert!(
-                array(&container["volumeMounts"])
-                    .iter()
-                    .any(|m| m["mountPath"] == config),
-                "container {name}: {config} is not mounted"
+                mount["subPath"].is_null(),
+                "container {name}: subPath mount"
             );
+            let volume = array(&pod["volumes"])
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .expect("the mounted volume");
+            let map = &volume["configMap"]["name"];
+            assert!(
+                of_kind(&objects, "ConfigMap").any(|m| m["metadata"]["name"] == *map),
+                "container {name}: volume {} is no ConfigMap here",
+                mount["name"]
+            );
+            if let Some(url) = array(&container["env"])
+                .iter()
+                .find(|v| v["name"] == "REDIS_URL")
+                .and_then(|v| v["value"].as_str())
+            {
+                let host = redis_host(url);
+                assert!(
+                    of_kind(&objects, "Service").any(|s| s["metadata"]["name"] == host),
+                    "container {name}: REDIS_URL host {host} is no Service"
+                );
+            }
             let ports: BTreeMap<&str, u64> = array(&container["ports"])
                 .iter()
                 .filter_map(|p| Some((p["name"].as_str()?, p["containerPort"].as_u64()?)))
