@@ -2,7 +2,6 @@
 # turnstile: build with the pinned Rust image, run on the same Debian release (same glibc).
 #   docker build -t turnstile .
 #   docker run --rm -p 8080:8080 -p 8081:8081 turnstile serve --config /etc/turnstile
-# Checked by scripts/check_examples.py.
 
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src

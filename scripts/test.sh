@@ -14,13 +14,3 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
 fi
 
 cargo test "$@"
-
-# The example and deployment files (Envoy bootstrap, docker-compose, Istio manifests) are
-# checked against the real Envoy protos and schemas; the rules they use against the binary.
-venv="${TMPDIR:-/tmp}/turnstile-examples-venv"
-if [ ! -x "$venv/bin/python" ] && ! python3 -m venv "$venv"; then
-  $sudo apt-get install -y -qq python3-venv >/dev/null
-  python3 -m venv "$venv"
-fi
-"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/requirements-examples.txt
-"$venv/bin/python" scripts/check_examples.py

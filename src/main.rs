@@ -34,6 +34,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => check(&args),
+        Command::Explain(args) => turnstile::explain::main(&args),
         Command::Bench(args) => match turnstile::loadgen::main(*args) {
             Ok(_) => ExitCode::SUCCESS,
             Err(error) => {

@@ -1246,3 +1246,230 @@ async fn the_reference_response_metadata_echoes_the_request_and_merges_passed_ru
     assert_eq!(field("outcome"), "over_limit");
     assert_eq!(field("rule"), "meta.c");
 }
+
+// `turnstile explain`: which rule a descriptor matches, and where an instance's counter stands.
+
+/// Runs `turnstile explain --config <rules> <args>`: exit code, stdout, stderr.
+fn explain(rules: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("explain")
+        .arg("--config")
+        .arg(rules)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+#[test]
+fn explain_names_the_matching_rule_or_says_why_none_matches() {
+    let good = Rules::new(RULES);
+    let bad = Rules::new("domain: bad\ndescriptors:\n  - value: x\n");
+    let (good, bad) = (good.path(), bad.path());
+    // (rules, arguments, exit code, what stdout (exit 0 or 1) or stderr (exit 2) says)
+    let table: &[(&std::path::Path, &[&str], i32, &[&str])] = &[
+        (
+            good,
+            &["--domain", "test", "minute=anything"],
+            0,
+            &[
+                "descriptor 1 [minute=anything]\n  rule         test.minute\n",
+                "  name         per-minute\n  limit        3 per MINUTE, fixed_window\n",
+                "  shadow_mode  no\n  quota_mode   no\n",
+            ],
+        ),
+        (
+            good,
+            &["--domain", "test", "bucket=x"],
+            0,
+            &["limit        1 per SECOND, token_bucket, burst 2\n"],
+        ),
+        (
+            good,
+            &["--domain", "test", "layered=x"],
+            0,
+            &[
+                "limit        5 per HOUR, fixed_window\n",
+                "also         2 per MINUTE, token_bucket, burst 2\n",
+            ],
+        ),
+        (
+            good,
+            &["--domain", "test", "short=x"],
+            0,
+            &["1 per SECOND, sliding_window, window 2s\n"],
+        ),
+        (
+            good,
+            &["--domain", "test", "shadow=x"],
+            0,
+            &["shadow_mode  yes: counted and reported, never refuses"],
+        ),
+        (
+            good,
+            &["--domain", "test", "unlimited=x"],
+            0,
+            &["limit        unlimited (never refused)"],
+        ),
+        (
+            good,
+            &["--domain", "test", "b=x"],
+            0,
+            &["replaces     a-rule"],
+        ),
+        // A value may hold commas and '=' as a positional entry.
+        (
+            good,
+            &["--domain", "test", "key1=value1", "subkey1=a,b=c"],
+            0,
+            &["[key1=value1, subkey1=a,b=c]\n  rule         test.key1_value1.subkey1\n"],
+        ),
+        (
+            good,
+            &["--domain", "test", "key1=value1"],
+            1,
+            &["no rule matches: every entry matches, but the node they reach has no rate_limit"],
+        ),
+        (
+            good,
+            &["--domain", "test", "key1=other", "subkey1=x"],
+            1,
+            &["no rule matches: entry 1 (key1=other): rules have this key, but no value"],
+        ),
+        (
+            good,
+            &["--domain", "test", "minute=x", "extra=y"],
+            1,
+            &["no rule matches: entry 2 (extra=y): the rules' path ends before it"],
+        ),
+        (
+            good,
+            &["--domain", "test", "Minute=x"],
+            1,
+            &["no rule at this depth has the key 'Minute' (keys are case-sensitive)"],
+        ),
+        (
+            good,
+            &["--domain", "other", "minute=x"],
+            1,
+            &[
+                "domain other: no rules (loaded domains: test)",
+                "no rule matches: the domain has no rules",
+            ],
+        ),
+        // Several descriptors: each is answered, in order; one miss makes the exit code 1.
+        (
+            good,
+            &[
+                "--domain", "test", "-d", "wide=1", "-d", "nope=1", "narrow=2",
+            ],
+            1,
+            &[
+                "descriptor 1 [wide=1]\n  rule         test.wide\n",
+                "descriptor 2 [nope=1]\n  no rule matches",
+                "descriptor 3 [narrow=2]\n  rule         test.narrow\n",
+            ],
+        ),
+        (good, &["--domain", "test"], 2, &["no descriptor"]),
+        (
+            good,
+            &["--domain", "test", "novalue"],
+            2,
+            &["'novalue' is not an entry"],
+        ),
+        (
+            good,
+            &["--domain", "test", "=v"],
+            2,
+            &["'=v' is not an entry"],
+        ),
+        (
+            bad,
+            &["--domain", "bad", "k=v"],
+            2,
+            &[
+                "the rules do not load",
+                "rules.yaml:3:5: descriptor has empty key",
+            ],
+        ),
+    ];
+    for (rules, args, code, says) in table {
+        let (got, stdout, stderr) = explain(rules, args);
+        assert_eq!(got, Some(*code), "{args:?}\n{stdout}{stderr}");
+        let text = if *code == 2 { &stderr } else { &stdout };
+        for fragment in *says {
+            assert!(
+                text.contains(fragment),
+                "{args:?}: no {fragment:?} in\n{text}"
+            );
+        }
+        if *code != 2 {
+            assert!(stderr.is_empty(), "{args:?}: {stderr}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn explain_reads_an_instance_counters_without_charging_them() {
+    let (rules, t) = start(&[]).await;
+    for _ in 0..2 {
+        t.call(request("test", vec![descriptor(&[("wide", "w")])]))
+            .await
+            .unwrap();
+    }
+    let grpc = t.grpc.to_string();
+    let args = [
+        "--domain",
+        "test",
+        "--instance",
+        &grpc,
+        "-d",
+        "wide=w",
+        "-d",
+        "narrow=n",
+        "-d",
+        "nope=1",
+    ];
+    // Asked twice: the reads themselves must not count.
+    for _ in 0..2 {
+        let (code, stdout, stderr) = explain(rules.path(), &args);
+        assert_eq!(code, Some(1), "{stdout}{stderr}");
+        assert!(
+            stdout.contains("  now          remaining 8 of 10 per HOUR, resets in "),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains("  now          remaining 1 of 1 per HOUR, resets in "),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains("  now          OK, no limit applies on the instance"),
+            "{stdout}"
+        );
+        assert!(!stdout.contains("over the limit"), "{stdout}");
+    }
+    let answer = t
+        .call(request("test", vec![descriptor(&[("narrow", "n")])]))
+        .await
+        .unwrap();
+    assert_eq!(code(&answer), Code::Ok, "the reads charged narrow");
+    let (_, stdout, _) = explain(rules.path(), &args);
+    assert!(
+        stdout.contains("remaining 0 of 1 per HOUR, resets in "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(": the next hit is over the limit"),
+        "{stdout}"
+    );
+
+    // An instance that does not answer is an error (2), not a verdict.
+    drop(t);
+    let (code, _, stderr) = explain(rules.path(), &args);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot ask the instance at http://{grpc}")),
+        "{stderr}"
+    );
+}

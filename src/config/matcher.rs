@@ -108,17 +108,48 @@ impl DomainRules {
         &self,
         entries: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Option<&Rule> {
+        self.walk(entries).ok()
+    }
+
+    /// The same walk as `lookup`, saying where and why it found no rule (for `explain`).
+    pub fn walk<'a>(
+        &self,
+        entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<&Rule, Miss> {
         let mut level = &self.root;
-        let mut entries = entries.into_iter().peekable();
-        while let Some((key, value)) = entries.next() {
-            let step = level.keys.get(key)?.find(value)?;
+        let mut entries = entries.into_iter().enumerate().peekable();
+        while let Some((entry, (key, value))) = entries.next() {
+            let branches = match level.keys.get(key) {
+                Some(branches) => branches,
+                None if entry > 0 && level.keys.is_empty() => {
+                    return Err(Miss::PastTheEnd { entry });
+                }
+                None => return Err(Miss::NoKey { entry }),
+            };
+            let step = branches.find(value).ok_or(Miss::NoValue { entry })?;
             if entries.peek().is_none() {
-                return step.rule.map(|i| &self.rules[i]);
+                return step.rule.map(|i| &self.rules[i]).ok_or(Miss::NoLimitHere);
             }
             level = &step.children;
         }
-        None
+        Err(Miss::Empty)
     }
+}
+
+/// Why a descriptor matched no rule; `entry` is the 0-based index of the entry the walk
+/// stopped at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// The descriptor has no entries.
+    Empty,
+    /// No rule at this depth has the entry's key.
+    NoKey { entry: usize },
+    /// Rules have the key, but no value of theirs (exact, wildcard or key-only) matches.
+    NoValue { entry: usize },
+    /// The rules' path ended before this entry: the descriptor is longer than any rule.
+    PastTheEnd { entry: usize },
+    /// Every entry matched, but the node reached has no `rate_limit` (only deeper ones do).
+    NoLimitHere,
 }
 
 /// A configured limit, or an explicit "unlimited", at one node of the tree.
@@ -439,6 +470,40 @@ descriptors:
         assert!(lookup(&rules, "test-domain", &[]).is_none());
         // Keys are case-sensitive.
         assert!(lookup(&rules, "test-domain", &[("KEY2", "value2")]).is_none());
+    }
+
+    #[test]
+    fn a_miss_says_where_the_walk_stopped() {
+        let rules = rules(BASIC);
+        let domain = rules.domain("test-domain").unwrap();
+        let table: [(&[(&str, &str)], Miss); 6] = [
+            (&[], Miss::Empty),
+            (&[("nope", "x")], Miss::NoKey { entry: 0 }),
+            (&[("key1", "other")], Miss::NoValue { entry: 0 }),
+            (&[("key1", "value1")], Miss::NoLimitHere),
+            (&[("key2", "value3")], Miss::NoLimitHere),
+            (
+                &[("key3", "a"), ("extra", "x")],
+                Miss::PastTheEnd { entry: 1 },
+            ),
+        ];
+        for (entries, miss) in table {
+            assert_eq!(
+                domain.walk(entries.iter().copied()),
+                Err(miss),
+                "{entries:?}"
+            );
+        }
+        let deeper = [("key1", "value1"), ("nope", "x")];
+        assert_eq!(
+            domain.walk(deeper.iter().copied()),
+            Err(Miss::NoKey { entry: 1 })
+        );
+        let hit = [("key1", "value1"), ("subkey1", "x")];
+        assert_eq!(
+            domain.walk(hit.iter().copied()).unwrap().full_key,
+            "test-domain.key1_value1.subkey1"
+        );
     }
 
     #[test]

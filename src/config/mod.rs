@@ -14,7 +14,7 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-pub use matcher::{DomainRules, Rule, RuleSet};
+pub use matcher::{DomainRules, Miss, Rule, RuleSet};
 pub use validate::SLIDING_WINDOW_MAX_LIMIT;
 
 use validate::Validator;
