@@ -27,3 +27,4 @@ pub mod server;
 pub mod service;
 pub mod statsd;
 pub mod telemetry;
+pub mod xds;
