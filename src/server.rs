@@ -148,6 +148,11 @@ async fn statsd(args: &ServeArgs) -> anyhow::Result<StatsdRecorder> {
 /// The xDS client's settings, checked before anything starts.
 fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
     let x = &args.xds;
+    anyhow::ensure!(
+        x.xds_backoff_random_factor >= 0.0,
+        "XDS_CLIENT_BACKOFF_RANDOM_FACTOR must be a number from 0 (got {})",
+        x.xds_backoff_random_factor
+    );
     let tls = x.xds_tls.then(|| -> anyhow::Result<_> {
         let identity = match (&x.xds_tls_cert, &x.xds_tls_key) {
             (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
@@ -177,7 +182,7 @@ fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
 /// The rules at start-up: loaded from files, or to come from a control plane.
 enum Start {
     Files(crate::config::RuleSet),
-    Xds(xds::Settings),
+    Xds(Box<xds::Settings>),
 }
 
 /// Keeps the rules current: the file watcher, or the xDS client.
@@ -195,7 +200,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             })?;
             Start::Files(rules)
         }
-        ConfigType::GrpcXdsSotw => Start::Xds(xds_settings(&args)?),
+        ConfigType::GrpcXdsSotw => Start::Xds(Box::new(xds_settings(&args)?)),
     };
     let statsd = match args.use_statsd {
         true => Some(statsd(&args).await?),
@@ -226,7 +231,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "xds {}",
                 settings.server_url
             )));
-            let client = xds::Client::new(settings, rules.clone(), metrics.clone())?;
+            let client = xds::Client::new(*settings, rules.clone(), metrics.clone())?;
             (rules, Box::pin(client.run()))
         }
     };

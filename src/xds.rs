@@ -37,6 +37,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// HTTP/2 pings find a control plane that vanished without closing the connection.
 const KEEPALIVE: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Shortest wait before any reconnect, whatever the settings: a control plane that closes
+/// every stream at once must not make the client spin.
+const MIN_WAIT: Duration = Duration::from_millis(50);
+/// Errors of one refused push quoted in its NACK and logs; a push can hold many thousands,
+/// and the NACK must stay far below any message limit.
+const MAX_ERRORS_QUOTED: usize = 20;
 
 /// The reference's XDS_CLIENT_BACKOFF_* settings.
 #[derive(Debug, Clone, Copy)]
@@ -54,11 +60,14 @@ impl Backoff {
             .initial
             .saturating_mul(1 << attempt.min(30))
             .min(self.max);
-        if !self.jitter {
-            return base;
-        }
-        let spread = self.random_factor.clamp(0.0, 1.0) * (2.0 * fastrand::f64() - 1.0);
-        base.mul_f64(1.0 + spread).min(self.max)
+        let wait = match self.jitter {
+            true => {
+                let spread = self.random_factor.clamp(0.0, 1.0) * (2.0 * fastrand::f64() - 1.0);
+                scale(base, 1.0 + spread).min(self.max)
+            }
+            false => base,
+        };
+        wait.max(MIN_WAIT)
     }
 }
 
@@ -186,7 +195,7 @@ impl Client {
                 Err(error) => {
                     tracing::warn!(server = %self.settings.server_url, error = %error_chain(&error), "cannot connect to the xDS server");
                     let interval = self.settings.connect_retry_interval;
-                    tokio::time::sleep(interval.mul_f64(0.5 + fastrand::f64())).await;
+                    tokio::time::sleep(scale(interval, 0.5 + fastrand::f64()).max(MIN_WAIT)).await;
                     continue;
                 }
             };
@@ -277,6 +286,7 @@ impl Client {
                 Ok(())
             }
             Err(detail) => {
+                let detail = quote(&detail);
                 self.metrics.config_load_error.increment(1);
                 for error in detail.lines() {
                     tracing::error!(%version, %error, "xDS rules refused; the previous rules stay in force");
@@ -285,6 +295,23 @@ impl Client {
             }
         }
     }
+}
+
+/// `duration` × `factor` (≥ 0), saturating instead of panicking on overflow.
+fn scale(duration: Duration, factor: f64) -> Duration {
+    Duration::try_from_secs_f64(duration.as_secs_f64() * factor).unwrap_or(Duration::MAX)
+}
+
+/// The first MAX_ERRORS_QUOTED lines of `errors`, and how many more there were.
+fn quote(errors: &str) -> String {
+    let total = errors.lines().count();
+    if total <= MAX_ERRORS_QUOTED {
+        return errors.to_owned();
+    }
+    let mut quoted: Vec<&str> = errors.lines().take(MAX_ERRORS_QUOTED).collect();
+    let more = format!("... and {} more errors", total - MAX_ERRORS_QUOTED);
+    quoted.push(&more);
+    quoted.join("\n")
 }
 
 fn decode(response: &DiscoveryResponse) -> Result<Vec<RateLimitConfig>, String> {
@@ -338,6 +365,22 @@ mod tests {
         let waits: Vec<u64> = (0..5).map(|a| backoff.delay(a).as_secs()).collect();
         assert_eq!(waits, [10, 20, 40, 60, 60]);
         assert_eq!(backoff.delay(u32::MAX), Duration::from_secs(60));
+        let zero = Backoff {
+            initial: Duration::ZERO,
+            max: Duration::ZERO,
+            ..backoff
+        };
+        assert_eq!(zero.delay(0), MIN_WAIT, "never a hot reconnect loop");
+        let huge = Backoff {
+            initial: Duration::MAX,
+            max: Duration::MAX,
+            random_factor: 1.0,
+            jitter: true,
+        };
+        assert!(
+            huge.delay(3) > Duration::from_secs(1 << 40),
+            "saturates, no panic"
+        );
         let jittered = Backoff {
             jitter: true,
             ..backoff
@@ -347,6 +390,16 @@ mod tests {
             assert!(first >= Duration::from_secs(5) && first <= Duration::from_secs(15));
             assert!(jittered.delay(9) <= Duration::from_secs(60));
         }
+    }
+
+    #[test]
+    fn a_nack_quotes_a_bounded_number_of_errors() {
+        let few = "a\nb";
+        assert_eq!(quote(few), few);
+        let many: Vec<String> = (0..1000).map(|i| format!("error {i}")).collect();
+        let quoted = quote(&many.join("\n"));
+        assert_eq!(quoted.lines().count(), MAX_ERRORS_QUOTED + 1);
+        assert_eq!(quoted.lines().last(), Some("... and 980 more errors"));
     }
 
     #[test]

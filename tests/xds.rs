@@ -277,6 +277,9 @@ enum Expect {
     Nack(&'static str),
 }
 
+/// A version, its resources, the answer expected, and the limits of d1 and d2 afterwards.
+type Row = (&'static str, Vec<Any>, Expect, [Option<u32>; 2]);
+
 /// Pushes in order, each a row: version, resources, the answer expected, then the limit in
 /// force per domain afterwards (checked over gRPC on the real binary).
 #[tokio::test]
@@ -290,7 +293,7 @@ async fn each_push_is_the_whole_rule_set_acked_or_nacked_with_the_old_rules_kept
         value: vec![0xff, 0xff, 0xff],
     };
     let bad_unit = resource_with("a", "d1", policy(RateLimitUnit::Unknown, 4));
-    let rows: Vec<(&str, Vec<Any>, Expect, [Option<u32>; 2])> = vec![
+    let rows: Vec<Row> = vec![
         (
             "v1",
             vec![any(&resource("a", "d1", 3)), any(&resource("b", "d2", 5))],
