@@ -188,6 +188,7 @@ impl Client {
 
     /// Connect, follow the stream, reconnect when it ends; forever.
     pub async fn run(mut self) {
+        tokio::spawn(ignore_sighup());
         let mut attempt = 0;
         loop {
             let channel = match self.endpoint.connect().await {
@@ -294,6 +295,18 @@ impl Client {
                 Err(detail)
             }
         }
+    }
+}
+
+/// SIGHUP reloads rule files; here there is nothing to reload, and its default action (exit)
+/// must not stop the service.
+async fn ignore_sighup() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        tracing::info!("SIGHUP ignored: the rules come from xDS");
     }
 }
 

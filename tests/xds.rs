@@ -21,7 +21,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt64Value};
 use futures_util::Stream;
 use prost::Message;
 use support::redis::RedisServer;
-use support::turnstile::{Turnstile, descriptor, request};
+use support::turnstile::{Turnstile, descriptor, request, signal};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
@@ -411,7 +411,7 @@ async fn the_last_good_rules_outlive_the_control_plane_and_its_restart() {
         }
     });
     // start() returns once /healthcheck says 200: that must not happen before the push.
-    let t = start(&xds_env(addr)).await;
+    let mut t = start(&xds_env(addr)).await;
     assert!(
         pushed_at.lock().unwrap().is_some(),
         "healthy before any rules arrived"
@@ -420,6 +420,10 @@ async fn the_last_good_rules_outlive_the_control_plane_and_its_restart() {
     assert!(!plane.requests().is_empty());
     wait_for_limit(&t, "d1", Some(3)).await;
     assert_eq!(hit(&t, "d1", 1).await, (Some(3), 2));
+    // SIGHUP reloads files; with xDS it must change nothing (its default action is exit).
+    signal(t.pid(), "HUP");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(t.alive(), "SIGHUP stopped the process");
 
     // The control plane goes away: rules and counters stay, and so does health.
     stop.send_replace(true);
