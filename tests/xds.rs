@@ -246,6 +246,20 @@ async fn wait_for_limit(t: &Turnstile, domain: &str, expected: Option<u32>) {
     }
 }
 
+/// A whole HTTP/1.1 answer, headers included.
+async fn raw_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer))
+        .await
+        .expect("an answer in time")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// The reference's settings for a local control plane, with quick reconnects.
 fn xds_env(server: SocketAddr) -> Vec<(&'static str, String)> {
     vec![
@@ -360,6 +374,16 @@ async fn each_push_is_the_whole_rule_set_acked_or_nacked_with_the_old_rules_kept
         for (domain, limit) in ["d1", "d2"].into_iter().zip(limits) {
             wait_for_limit(&t, domain, limit).await;
         }
+        let health = raw_get(t.http, "/healthcheck").await.to_ascii_lowercase();
+        assert!(health.starts_with("http/1.1 200"), "{health}");
+        assert!(
+            health.contains(&format!("\r\nx-turnstile-rules-source: xds {addr}\r\n")),
+            "{health}"
+        );
+        assert!(
+            health.contains(&format!("\r\nx-turnstile-rules-version: {accepted}\r\n")),
+            "{health}"
+        );
         let (_, rlconfig) = t.http_get("/rlconfig").await.unwrap();
         let first = rlconfig.lines().next().unwrap();
         assert!(
