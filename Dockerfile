@@ -18,7 +18,11 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 turnstile \
-    && useradd --system --uid 10001 --gid turnstile --no-create-home --shell /usr/sbin/nologin turnstile
+    && useradd --system --uid 10001 --gid turnstile --no-create-home --shell /usr/sbin/nologin turnstile \
+    && printf '#!/bin/sh\nexec /usr/local/bin/turnstile serve "$@"\n' > /bin/ratelimit \
+    && chmod 755 /bin/ratelimit
+# /bin/ratelimit is the reference's command (Envoy Gateway runs its rate-limit container with
+# it), so the image can replace the reference's without changing the command.
 COPY --from=build /usr/local/bin/turnstile /usr/local/bin/turnstile
 # The sample rules, so the image runs on its own; mount your own over /etc/turnstile.
 COPY config/ /etc/turnstile/

@@ -53,11 +53,20 @@ pub fn metrics_router<B: Backend>(admin: Arc<Admin<B>>, path: &str) -> Router {
         .with_state(admin)
 }
 
+/// The body is the reference's; headers say which rules are in force.
 async fn healthcheck<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    let version = match admin.rules.arrived() {
+        true => admin.rules.current().rules.version().to_owned(),
+        false => "none".to_owned(),
+    };
+    let headers = [
+        ("x-turnstile-rules-source", admin.rules.source().to_owned()),
+        ("x-turnstile-rules-version", version),
+    ];
     if admin.health.serving() {
-        (StatusCode::OK, "OK").into_response()
+        (StatusCode::OK, headers, "OK").into_response()
     } else {
-        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        (StatusCode::INTERNAL_SERVER_ERROR, headers).into_response()
     }
 }
 
@@ -84,9 +93,10 @@ async fn check_json<B: Backend>(State(admin): State<Arc<Admin<B>>>, body: Bytes)
 async fn rlconfig<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
     let loaded = admin.rules.current();
     let body = format!(
-        "# version {} loaded {}\n{}",
+        "# version {} loaded {} source {}\n{}",
         loaded.rules.version(),
         humantime::format_rfc3339_seconds(loaded.loaded_at),
+        admin.rules.source(),
         loaded.rules.describe()
     );
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()

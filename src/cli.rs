@@ -82,6 +82,89 @@ impl RulesArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConfigType {
+    /// Rule files (--config or the runtime layout), reloaded when they change.
+    #[value(name = "FILE")]
+    File,
+    /// Rules pushed by an xDS control plane (ADS, state of the world).
+    #[value(name = "GRPC_XDS_SOTW")]
+    GrpcXdsSotw,
+}
+
+/// Rules from a control plane, with the reference's settings (names and defaults).
+#[derive(Debug, Args)]
+pub struct XdsArgs {
+    /// Where rules come from.
+    #[arg(
+        long,
+        env = "CONFIG_TYPE",
+        value_enum,
+        ignore_case = true,
+        default_value = "FILE"
+    )]
+    pub config_type: ConfigType,
+    /// The node id the control plane keys its snapshots by.
+    #[arg(long, env = "CONFIG_GRPC_XDS_NODE_ID", default_value = "default")]
+    pub xds_node_id: String,
+    /// Node metadata, `key=value,key2=value2`.
+    #[arg(long, env = "CONFIG_GRPC_XDS_NODE_METADATA", default_value = "")]
+    pub xds_node_metadata: String,
+    /// The control plane: `host:port` or a URL.
+    #[arg(
+        long,
+        env = "CONFIG_GRPC_XDS_SERVER_URL",
+        default_value = "localhost:18000"
+    )]
+    pub xds_server_url: String,
+    /// Wait between failed connection attempts (±50%).
+    #[arg(long, env = "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", value_parser = duration, default_value = "3s")]
+    pub xds_connect_retry_interval: Duration,
+    /// Headers sent on the stream, `key:value,key2:value2`.
+    #[arg(
+        long,
+        env = "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+        default_value = "",
+        hide_env_values = true
+    )]
+    pub xds_headers: String,
+    /// Connect to the control plane with TLS.
+    #[arg(long, env = "CONFIG_GRPC_XDS_SERVER_USE_TLS")]
+    pub xds_tls: bool,
+    /// PEM client certificate for mTLS to the control plane.
+    #[arg(
+        long,
+        env = "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
+        requires = "xds_tls_key"
+    )]
+    pub xds_tls_cert: Option<PathBuf>,
+    #[arg(
+        long,
+        env = "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
+        requires = "xds_tls_cert"
+    )]
+    pub xds_tls_key: Option<PathBuf>,
+    /// PEM CA that signed the control plane's certificate (default: the public roots).
+    #[arg(long, env = "CONFIG_GRPC_XDS_SERVER_TLS_CACERT")]
+    pub xds_tls_cacert: Option<PathBuf>,
+    /// The name to verify in the control plane's certificate, when not the URL's host.
+    #[arg(long, env = "CONFIG_GRPC_XDS_SERVER_TLS_SAN")]
+    pub xds_tls_san: Option<String>,
+    /// Largest xDS response accepted (default: gRPC's 4 MiB).
+    #[arg(long, env = "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")]
+    pub xds_max_message_bytes: Option<usize>,
+    /// First wait before reconnecting after the stream broke; it doubles up to the maximum.
+    #[arg(long, env = "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", value_parser = duration, default_value = "10s")]
+    pub xds_backoff_initial: Duration,
+    #[arg(long, env = "XDS_CLIENT_BACKOFF_MAX_INTERVAL", value_parser = duration, default_value = "60s")]
+    pub xds_backoff_max: Duration,
+    /// Each wait is randomized by up to this share, either way (with jitter on).
+    #[arg(long, env = "XDS_CLIENT_BACKOFF_RANDOM_FACTOR", default_value_t = 0.5)]
+    pub xds_backoff_random_factor: f64,
+    #[arg(long, env = "XDS_CLIENT_BACKOFF_JITTER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub xds_backoff_jitter: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
     /// State in this process: exact for one instance, no Redis needed.
     Memory,
@@ -145,6 +228,8 @@ fn duration(text: &str) -> Result<Duration, String> {
 pub struct ServeArgs {
     #[command(flatten)]
     pub rules: RulesArgs,
+    #[command(flatten)]
+    pub xds: XdsArgs,
 
     /// Debug listen host (serves /rlconfig, as the reference's debug port).
     #[arg(long, env = "DEBUG_HOST", default_value = "0.0.0.0")]

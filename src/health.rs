@@ -6,7 +6,8 @@
 //! (so a new instance gets traffic only once connected) and, when the failure policy is
 //! `error`, answered its last probe too (with any other policy the instance answers as
 //! configured while the backend is away, and taking it out of rotation would defeat the
-//! policy); and, with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED, the rules define a domain.
+//! policy); with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED, the rules define a domain; and rules
+//! from a control plane have arrived at least once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -31,6 +32,8 @@ pub struct Requirements {
     pub backend: bool,
     /// The rules in force must define at least one domain.
     pub rules: Option<Arc<ActiveRules>>,
+    /// Rules that arrive after start-up (xDS): not serving until the first set has.
+    pub awaited: Option<Arc<ActiveRules>>,
 }
 
 pub struct Health {
@@ -60,7 +63,12 @@ impl Health {
             .requirements
             .rules
             .as_ref()
-            .is_none_or(|rules| rules.current().rules.domains().next().is_some());
+            .is_none_or(|rules| rules.current().rules.domains().next().is_some())
+            && self
+                .requirements
+                .awaited
+                .as_ref()
+                .is_none_or(|rules| rules.arrived());
         let backend_ok = self.backend_ok.load(Ordering::Relaxed);
         let backend_seen = self.backend_seen.load(Ordering::Relaxed);
         (backend_ok || (backend_seen && !self.requirements.backend))

@@ -28,3 +28,4 @@ pub mod server;
 pub mod service;
 pub mod statsd;
 pub mod telemetry;
+pub mod xds;

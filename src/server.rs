@@ -23,9 +23,8 @@ use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::{Backend, Charging};
 use crate::cli::{
-    BackendKind, ChargingArg, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
+    BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
 };
-use crate::config::RuleSet;
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
@@ -35,6 +34,7 @@ use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
+use crate::xds;
 
 /// Keys with quota leases held at once by one instance.
 const MAX_LEASE_POOLS: usize = 100_000;
@@ -145,14 +145,63 @@ async fn statsd(args: &ServeArgs) -> anyhow::Result<StatsdRecorder> {
     Ok(recorder)
 }
 
+/// The xDS client's settings, checked before anything starts.
+fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
+    let x = &args.xds;
+    anyhow::ensure!(
+        x.xds_backoff_random_factor >= 0.0,
+        "XDS_CLIENT_BACKOFF_RANDOM_FACTOR must be a number from 0 (got {})",
+        x.xds_backoff_random_factor
+    );
+    let tls = x.xds_tls.then(|| -> anyhow::Result<_> {
+        let identity = match (&x.xds_tls_cert, &x.xds_tls_key) {
+            (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+            _ => None,
+        };
+        let ca = x.xds_tls_cacert.as_ref().map(read).transpose()?;
+        Ok(xds::tls(ca, identity, x.xds_tls_san.as_deref()))
+    });
+    Ok(xds::Settings {
+        server_url: x.xds_server_url.clone(),
+        node: xds::node(&x.xds_node_id, &x.xds_node_metadata),
+        headers: xds::headers(&x.xds_headers)
+            .context("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS")?,
+        tls: tls.transpose()?,
+        connect_retry_interval: x.xds_connect_retry_interval,
+        max_message_bytes: x.xds_max_message_bytes.filter(|&n| n > 0),
+        backoff: xds::Backoff {
+            initial: x.xds_backoff_initial,
+            max: x.xds_backoff_max,
+            random_factor: x.xds_backoff_random_factor,
+            jitter: x.xds_backoff_jitter,
+        },
+        merge_domains: args.rules.merge_domain_config,
+    })
+}
+
+/// The rules at start-up: loaded from files, or to come from a control plane.
+enum Start {
+    Files(crate::config::RuleSet),
+    Xds(Box<xds::Settings>),
+}
+
+/// Keeps the rules current: the file watcher, or the xDS client.
+type Feed = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let source = args.rules.source();
-    let rules = source.load().map_err(|errors| {
-        anyhow::anyhow!(
-            "cannot load rules from {}:\n{errors}",
-            source.path.display()
-        )
-    })?;
+    let start = match args.xds.config_type {
+        ConfigType::File => {
+            let rules = source.load().map_err(|errors| {
+                anyhow::anyhow!(
+                    "cannot load rules from {}:\n{errors}",
+                    source.path.display()
+                )
+            })?;
+            Start::Files(rules)
+        }
+        ConfigType::GrpcXdsSotw => Start::Xds(Box::new(xds_settings(&args)?)),
+    };
     let statsd = match args.use_statsd {
         true => Some(statsd(&args).await?),
         false => None,
@@ -166,13 +215,29 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         statsd,
     ));
     metrics.spawn_upkeep(METRICS_UPKEEP_PERIOD);
-    metrics.config_load_success.increment(1);
-    tracing::info!(
-        path = %source.path.display(),
-        version = rules.version(),
-        domains = rules.domains().count(),
-        "rules loaded"
-    );
+    let (rules, feed): (_, Feed) = match start {
+        Start::Files(rules) => {
+            metrics.config_load_success.increment(1);
+            tracing::info!(
+                path = %source.path.display(),
+                version = rules.version(),
+                domains = rules.domains().count(),
+                "rules loaded"
+            );
+            let rules = Arc::new(ActiveRules::new(rules));
+            let reloader = Reloader::new(source, rules.clone(), metrics.clone());
+            (rules, Box::pin(reloader.watch(args.config_poll_interval)))
+        }
+        Start::Xds(settings) => {
+            tracing::info!(server = %settings.server_url, node = %settings.node.id, "rules from xDS");
+            let rules = Arc::new(ActiveRules::awaiting(format!(
+                "xds {}",
+                settings.server_url
+            )));
+            let client = xds::Client::new(*settings, rules.clone(), metrics.clone())?;
+            (rules, Box::pin(client.run()))
+        }
+    };
     // The reference's default backend is Redis: a deployment that names a Redis and no
     // backend keeps using Redis.
     let backend = args.backend.unwrap_or(if args.redis_url.is_some() {
@@ -185,7 +250,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let backend = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes);
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             let backend = Measured::new(backend, metrics.clone());
-            run(backend, &args, rules, metrics).await
+            run(backend, &args, rules, feed, metrics).await
         }
         BackendKind::Redis => {
             let config = redis_config(&args)?;
@@ -200,7 +265,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let measured = Measured::new(connected, metrics.clone());
             let cached = OverLimitCache::new(measured, entries, metrics.clone());
             let backend = Leased::new(cached, MAX_LEASE_POOLS);
-            run(backend, &args, rules, metrics).await
+            run(backend, &args, rules, feed, metrics).await
         }
     }
 }
@@ -208,12 +273,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 async fn run<B: Backend>(
     backend: B,
     args: &ServeArgs,
-    rules: RuleSet,
+    rules: Arc<ActiveRules>,
+    feed: Feed,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<()> {
-    let rules = Arc::new(ActiveRules::new(rules));
-    let reloader = Reloader::new(args.rules.source(), rules.clone(), metrics.clone());
-    let watcher = tokio::spawn(reloader.watch(args.config_poll_interval));
+    let watcher = tokio::spawn(feed);
     let fallback = Fallback::new(
         args.local_share,
         args.memory_max_keys,
@@ -238,6 +302,7 @@ async fn run<B: Backend>(
         rules: args
             .healthy_with_at_least_one_config_loaded
             .then(|| rules.clone()),
+        awaited: Some(rules.clone()),
     };
     let health = Arc::new(Health::new(reporter, requirements));
     let probe = tokio::spawn({

@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use crate::fallback::FailurePolicy;
 use crate::limit::{Algorithm, Limit};
 
-/// Every loaded domain, and what they were loaded from.
-#[derive(Debug)]
+/// Every loaded domain, and what they were loaded from; the default is no rules at all.
+#[derive(Debug, Default)]
 pub struct RuleSet {
     domains: BTreeMap<String, DomainRules>,
     version: String,
@@ -40,6 +40,7 @@ impl RuleSet {
     }
 
     /// Hex SHA-1 over the loaded files' names and bytes: equal for loads of the same content.
+    /// For rules from xDS, the response's version.
     pub fn version(&self) -> &str {
         &self.version
     }

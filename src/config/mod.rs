@@ -8,6 +8,7 @@ mod matcher;
 mod model;
 mod source;
 mod validate;
+pub mod xds;
 mod yaml;
 
 use std::fmt;
