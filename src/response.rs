@@ -168,12 +168,7 @@ pub fn build(
     let response_headers_to_add = headers(plan, &statuses, outcomes, &settings.headers);
     Built {
         response: RateLimitResponse {
-            overall_code: if refused {
-                Code::OverLimit
-            } else {
-                Code::Ok
-            }
-            .into(),
+            overall_code: if refused { Code::OverLimit } else { Code::Ok }.into(),
             statuses,
             response_headers_to_add,
             dynamic_metadata,
