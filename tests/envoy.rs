@@ -15,17 +15,23 @@ use support::envoy::{self, Envoy, Reply, Upstream};
 use support::redis::RedisServer;
 use support::turnstile::{Rules, Turnstile, descriptor, request};
 
+/// One topology at a time: the tests measure latencies and count Envoy's timeouts, which
+/// several topologies on a small machine would only blur (and it keeps the suite frugal).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Envoy, two turnstile instances on one Redis with the shipped rules, and an upstream.
 struct Topology {
+    _serial: tokio::sync::MutexGuard<'static, ()>,
     envoy: Envoy,
     turnstiles: Vec<Turnstile>,
     redis: RedisServer,
     rules: Rules,
-    _upstream: Upstream,
+    upstream: Upstream,
 }
 
 impl Topology {
     async fn start(binary: &PathBuf, example: &str, extra: &[&str]) -> Topology {
+        let serial = SERIAL.lock().await;
         let shipped = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/rules.yaml"),
         )
@@ -50,11 +56,12 @@ impl Topology {
         )
         .await;
         Topology {
+            _serial: serial,
             envoy,
             turnstiles,
             redis,
             rules,
-            _upstream: upstream,
+            upstream,
         }
     }
 
@@ -260,7 +267,11 @@ async fn the_readme_demo_and_every_route_of_the_example() {
     assert_eq!(daily.len(), 1, "{daily:?}");
     assert!(top.redis.keys("*plan=internal*").is_empty());
 
-    tally.assert_envoy_agrees(&top.envoy, 0).await;
+    // Calls Envoy gave up on (its 50 ms timeout, on an overloaded machine) let requests
+    // through unlimited: as many as the clients saw without the headers.
+    tally
+        .assert_envoy_agrees(&top.envoy, tally.unlimited_ok)
+        .await;
 }
 
 fn replace_once(text: &str, from: &str, to: &str) -> String {
@@ -272,12 +283,10 @@ fn replace_once(text: &str, from: &str, to: &str) -> String {
 async fn a_reload_is_seen_through_envoy_and_a_bad_edit_keeps_the_rules() {
     let binary = envoy_or_skip!("a_reload_is_seen_through_envoy_and_a_bad_edit_keeps_the_rules");
     let top = Topology::start(&binary, "envoy.yaml", &[]).await;
-    let mut tally = Tally::default();
     let mut n = 0;
     let mut demo_limit = async || {
         n += 1;
-        let reply = top.get(client(n), "/demo", &[]).await;
-        tally.count(&reply);
+        let reply = top.answered(client(n), "/demo", &[]).await;
         number(&reply, "x-ratelimit-limit")
     };
     assert_eq!(demo_limit().await, 3);
@@ -327,7 +336,6 @@ async fn a_reload_is_seen_through_envoy_and_a_bad_edit_keeps_the_rules() {
     for _ in 0..4 {
         assert_eq!(demo_limit().await, 10);
     }
-    tally.assert_envoy_agrees(&top.envoy, 0).await;
 }
 
 /// How Envoy's calls to turnstile failed, by its own counters: out of time (the filter's
@@ -349,7 +357,7 @@ async fn call_failures(envoy: &Envoy) -> CallFailures {
     CallFailures {
         timed_out: stat("upstream_rq_timeout").unwrap_or(0)
             + stat("upstream_rq_per_try_timeout").unwrap_or(0),
-        in_flight: stat("upstream_cx_destroy_remote_with_active_rq").unwrap_or(0),
+        in_flight: stat("upstream_rq_rx_reset").unwrap_or(0),
         not_retried: stat("upstream_rq_5xx").unwrap_or(0),
     }
 }
@@ -415,4 +423,208 @@ async fn a_killed_instance_lets_no_request_through_unlimited() {
     tally
         .assert_envoy_agrees(&top.envoy, tally.unlimited_ok)
         .await;
+}
+
+impl Topology {
+    /// Requests Envoy let through because turnstile did not answer in time.
+    async fn failed_open(&self) -> u64 {
+        let stats = self.envoy.stats("cluster.upstream.ratelimit.error").await;
+        stats.values().sum()
+    }
+
+    /// A request turnstile answered: one that Envoy let through for want of an answer (a
+    /// timeout on an overloaded machine) is sent again, a few times at most.
+    async fn answered(&self, source: Ipv4Addr, path: &str, headers: &[(&str, &str)]) -> Reply {
+        for _ in 0..5 {
+            let before = self.failed_open().await;
+            let reply = self.get(source, path, headers).await;
+            if self.failed_open().await == before {
+                return reply;
+            }
+        }
+        panic!("Envoy got no answer from turnstile five times");
+    }
+
+    /// `n` requests to `/hold` for `tenant`, held by the upstream, each with a lease (one
+    /// let through without an answer holds none: it is reset and sent again).
+    async fn hold(&self, tenant: &str, n: u16) -> Vec<tokio::net::TcpStream> {
+        let headers = [("x-tenant", tenant)];
+        let mut streams = Vec::new();
+        while streams.len() < usize::from(n) {
+            let before = self.failed_open().await;
+            let source = client(streams.len() as u16 + 1);
+            let stream = envoy::send(self.envoy.listener, source, "/hold", &headers).await;
+            let held = self.upstream.held();
+            self.upstream.wait_held(held + 1).await;
+            if self.failed_open().await == before {
+                streams.push(stream);
+            } else {
+                envoy::reset(stream);
+                self.upstream.wait_held(held).await;
+            }
+        }
+        streams
+    }
+}
+
+/// Until a request of the tenant is admitted (bounded): leases came back.
+async fn wait_for_a_lease(one_more: &impl AsyncFn() -> u16, since: Instant, how: &str) {
+    while one_more().await != 200 {
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the leases of {how} requests never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!("leases of {how} requests back after {:?}", since.elapsed());
+}
+
+#[tokio::test]
+async fn the_concurrency_example_admits_20_in_flight_and_gets_them_back() {
+    let binary = envoy_or_skip!("the_concurrency_example_admits_20_in_flight_and_gets_them_back");
+    let top = Topology::start(&binary, "concurrency.yaml", &[]).await;
+    let tenant = [("x-tenant", "acme")];
+    let one_more = async || top.answered(client(100), "/", &tenant).await.status;
+
+    // 20 in flight (the rule's limit), the 21st refused; another tenant is not.
+    let held = top.hold("acme", 20).await;
+    assert_eq!(one_more().await, 429);
+    let other = top.answered(client(101), "/", &[("x-tenant", "other")]);
+    assert_eq!(other.await.status, 200);
+
+    // They finish: their leases are given back (and the refused one gave nothing back).
+    // Envoy makes its stream-done calls after the answers: wait for the first lease.
+    top.upstream.release();
+    for stream in held {
+        assert_eq!(envoy::read_reply(stream, Instant::now()).await.status, 200);
+    }
+    wait_for_a_lease(&one_more, Instant::now(), "finished").await;
+    let held = top.hold("acme", 20).await;
+    assert_eq!(one_more().await, 429, "exactly 20 again");
+
+    // Their clients go away (TCP reset): Envoy's stream-done calls give the leases back.
+    let reset_at = Instant::now();
+    held.into_iter().for_each(envoy::reset);
+    top.upstream.wait_held(0).await;
+    wait_for_a_lease(&one_more, reset_at, "reset").await;
+    let held = top.hold("acme", 20).await;
+    assert_eq!(one_more().await, 429);
+    top.upstream.release();
+    for stream in held {
+        assert_eq!(envoy::read_reply(stream, Instant::now()).await.status, 200);
+    }
+}
+
+/// What a client of Envoy sees while Redis is down, by turnstile's failure policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Seen {
+    /// turnstile answers UNAVAILABLE, Envoy lets the request through (failure_mode_deny: false).
+    LetThrough,
+    /// turnstile answers OK.
+    Admitted,
+    /// turnstile answers OVER_LIMIT.
+    Refused,
+    /// turnstile limits alone, at its share of each limit: some admitted, then refused.
+    LimitedLocally,
+}
+
+/// Requests per phase of a Redis fault.
+const REQUESTS: usize = 25;
+
+/// One policy's topology through Redis frozen (SIGSTOP), killed, and restarted: what the
+/// clients saw and how long the answers took.
+async fn redis_faults(binary: &PathBuf, policy: &str, expected: Seen) -> String {
+    let mut extra = vec!["--on-backend-error", policy];
+    if expected == Seen::LimitedLocally {
+        extra.extend(["--local-share", "0.5"]);
+    }
+    let mut top = Topology::start(binary, "envoy.yaml", &extra).await;
+    let mut tally = Tally::default();
+    let mut failed_open = 0;
+    let mut report = format!("{policy}:");
+    for (phase, n) in [("frozen", 1), ("killed", 2)] {
+        if phase == "frozen" {
+            top.redis.freeze();
+        } else {
+            top.redis.thaw();
+            top.redis.stop();
+        }
+        // A fresh user per phase: a token bucket with bursts of 20 (10 per instance locally).
+        let before = top.failed_open().await;
+        let mut replies = Vec::new();
+        for _ in 0..REQUESTS {
+            let user = [("x-user-id", phase)];
+            replies.push(top.get(client(n), "/", &user).await);
+        }
+        replies.iter().for_each(|r| tally.count(r));
+        // Calls that ran out of Envoy's time let the request through whatever the policy
+        // (an overloaded machine has some): the policy is judged on the answers in time.
+        let late = (top.failed_open().await - before) as usize;
+        failed_open += late as u64;
+        let what = format!("{policy}, Redis {phase}: {replies:?}");
+        let admitted = replies.iter().filter(|r| r.status == 200).count();
+        let limited = replies
+            .iter()
+            .filter(|r| r.status == 200 && r.header("x-ratelimit-limit").is_some())
+            .count();
+        match expected {
+            Seen::LetThrough => {
+                assert_eq!((admitted, limited, late), (REQUESTS, 0, REQUESTS), "{what}")
+            }
+            Seen::Admitted => assert_eq!(admitted, REQUESTS, "{what}"),
+            Seen::Refused => assert_eq!(admitted, late, "{what}"),
+            Seen::LimitedLocally => {
+                assert_eq!(admitted, limited + late, "{what}");
+                assert!(limited >= 10 && admitted < REQUESTS, "{what}");
+            }
+        }
+        if expected != Seen::LetThrough {
+            assert!(late <= REQUESTS / 4, "most answers in time: {what}");
+        }
+        let mut ms: Vec<u128> = replies.iter().map(|r| r.elapsed.as_millis()).collect();
+        ms.sort();
+        let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+        report += &format!(
+            " Redis {phase}: {statuses:?} ({late} late), median {} ms, max {} ms;",
+            ms[ms.len() / 2],
+            ms[ms.len() - 1]
+        );
+        assert!(ms[ms.len() - 1] < 1_000, "answers are bounded: {what}");
+    }
+
+    // Back: answers from Redis again (a fresh user's bucket: 19 left of 20, not 9 of 10).
+    top.redis.restart();
+    let back = Instant::now();
+    for n in 10.. {
+        let before = top.failed_open().await;
+        let user = format!("back-{n}");
+        let reply = top.get(client(n), "/", &[("x-user-id", &user)]).await;
+        tally.count(&reply);
+        failed_open += top.failed_open().await - before;
+        if reply.status == 200 && reply.header("x-ratelimit-remaining") == Some("19") {
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(10),
+            "{policy}: Redis never came back: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    report += &format!(" restarted: served from Redis after {:?}", back.elapsed());
+    tally.assert_envoy_agrees(&top.envoy, failed_open).await;
+    report
+}
+
+#[tokio::test]
+async fn redis_frozen_killed_and_restarted_under_each_failure_policy() {
+    let binary = envoy_or_skip!("redis_frozen_killed_and_restarted_under_each_failure_policy");
+    let table = [
+        ("error", Seen::LetThrough),
+        ("allow", Seen::Admitted),
+        ("deny", Seen::Refused),
+        ("local", Seen::LimitedLocally),
+    ];
+    for (policy, seen) in table {
+        eprintln!("{}", redis_faults(&binary, policy, seen).await);
+    }
 }
