@@ -8,7 +8,7 @@
 mod support;
 
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::envoy::{self, Envoy, Reply, Upstream};
@@ -30,10 +30,10 @@ struct Topology {
 }
 
 impl Topology {
-    async fn start(binary: &PathBuf, example: &str, extra: &[&str]) -> Topology {
+    async fn start(binary: &Path, example: &str, extra: &[&str]) -> Topology {
         let serial = SERIAL.lock().await;
         let shipped = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/rules.yaml"),
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("config/rules.yaml"),
         )
         .expect("config/rules.yaml");
         let rules = Rules::new(&shipped);
@@ -181,6 +181,9 @@ async fn the_readme_demo_and_every_route_of_the_example() {
     assert_eq!(remaining, [2, 1, 0, 0]);
     for reply in &demo {
         assert_eq!(number(reply, "x-ratelimit-limit"), 3, "{reply:?}");
+        // vh_rate_limits: INCLUDE, the virtual host's descriptors are sent too.
+        let limits = reply.header("x-ratelimit-limit").unwrap_or_default();
+        assert!(limits.contains("100;w=60"), "{reply:?}");
         let reset = number(reply, "x-ratelimit-reset");
         assert!((1..=60).contains(&reset), "{reply:?}");
     }
@@ -533,7 +536,7 @@ const REQUESTS: usize = 25;
 
 /// One policy's topology through Redis frozen (SIGSTOP), killed, and restarted: what the
 /// clients saw and how long the answers took.
-async fn redis_faults(binary: &PathBuf, policy: &str, expected: Seen) -> String {
+async fn redis_faults(binary: &Path, policy: &str, expected: Seen) -> String {
     let mut extra = vec!["--on-backend-error", policy];
     if expected == Seen::LimitedLocally {
         extra.extend(["--local-share", "0.5"]);
