@@ -448,17 +448,26 @@ impl Topology {
         panic!("Envoy got no answer from turnstile five times");
     }
 
-    /// `n` requests to `/hold` for `tenant`, held by the upstream, each with a lease (one
-    /// let through without an answer holds none: it is reset and sent again).
-    async fn hold(&self, tenant: &str, n: u16) -> Vec<tokio::net::TcpStream> {
+    /// Requests to `/hold` for `tenant`, held by the upstream, until one is refused; the
+    /// held ones, each with its lease (one let through without an answer holds none: it is
+    /// reset). Refused only when the limit's 20 leases are held, whoever holds them.
+    async fn fill(&self, tenant: &str) -> Vec<tokio::net::TcpStream> {
         let headers = [("x-tenant", tenant)];
         let mut streams = Vec::new();
-        while streams.len() < usize::from(n) {
+        loop {
             let before = self.failed_open().await;
+            let held = self.upstream.held();
             let source = client(streams.len() as u16 + 1);
             let stream = envoy::send(self.envoy.listener, source, "/hold", &headers).await;
-            let held = self.upstream.held();
-            self.upstream.wait_held(held + 1).await;
+            tokio::select! {
+                _ = stream.readable() => {
+                    let refused = envoy::read_reply(stream, Instant::now()).await;
+                    assert_eq!(refused.status, 429, "{refused:?}");
+                    assert_eq!(self.leases(tenant), 20, "refused with the limit's leases held");
+                    return streams;
+                }
+                _ = self.upstream.wait_held(held + 1) => {}
+            }
             if self.failed_open().await == before {
                 streams.push(stream);
             } else {
@@ -466,52 +475,100 @@ impl Topology {
                 self.upstream.wait_held(held).await;
             }
         }
-        streams
     }
 }
 
-/// Until a request of the tenant is admitted (bounded): leases came back.
-async fn wait_for_a_lease(one_more: &impl AsyncFn() -> u16, since: Instant, how: &str) {
-    while one_more().await != 200 {
-        assert!(
-            since.elapsed() < Duration::from_secs(10),
-            "the leases of {how} requests never came back"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+impl Topology {
+    /// Leases the tenant holds in Redis now.
+    fn leases(&self, tenant: &str) -> usize {
+        match self.redis.keys(&format!("*tenant={tenant}|*")).as_slice() {
+            [] => 0,
+            [key] => self.redis.query(&["ZCARD", key]),
+            keys => panic!("one set of leases per tenant: {keys:?}"),
+        }
     }
-    eprintln!("leases of {how} requests back after {:?}", since.elapsed());
+
+    /// Calls that failed, stream-done calls included: Envoy gave up on them (its timeout),
+    /// or turnstile answered an error (Redis slower than its timeout). An overloaded machine
+    /// has some; each may keep a lease until it lapses (the rule's window).
+    async fn failed_calls(&self) -> usize {
+        let stats = self
+            .envoy
+            .stats("cluster.turnstile.upstream_rq_timeout")
+            .await;
+        let mut failed = stats.values().sum::<u64>() as usize;
+        for t in &self.turnstiles {
+            let (_, metrics) = t.http_get("/metrics").await.expect("/metrics");
+            failed += metrics
+                .lines()
+                .filter(|l| l.starts_with("ratelimit_service_should_rate_limit_error{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as usize;
+        }
+        failed
+    }
+
+    /// Until the tenant's leases are given back (bounded) but for `others` (not given back
+    /// now) and one per call that failed since `failed` was counted.
+    async fn leases_back(&self, tenant: &str, others: usize, failed: usize, how: &str) {
+        let since = Instant::now();
+        loop {
+            let (held, lost) = (self.leases(tenant), self.failed_calls().await - failed);
+            if held <= others + lost {
+                eprintln!(
+                    "leases of {how} requests back after {:?} ({held} still held)",
+                    since.elapsed()
+                );
+                return;
+            }
+            assert!(
+                since.elapsed() < Duration::from_secs(10),
+                "{held} leases of {how} requests never came back"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 #[tokio::test]
 async fn the_concurrency_example_admits_20_in_flight_and_gets_them_back() {
     let binary = envoy_or_skip!("the_concurrency_example_admits_20_in_flight_and_gets_them_back");
     let top = Topology::start(&binary, "concurrency.yaml", &[]).await;
-    let tenant = [("x-tenant", "acme")];
-    let one_more = async || top.answered(client(100), "/", &tenant).await.status;
 
     // 20 in flight (the rule's limit), the 21st refused; another tenant is not.
-    let held = top.hold("acme", 20).await;
-    assert_eq!(one_more().await, 429);
+    let held = top.fill("acme").await;
+    assert_eq!(held.len(), 20);
     let other = top.answered(client(101), "/", &[("x-tenant", "other")]);
     assert_eq!(other.await.status, 200);
 
-    // They finish: their leases are given back (and the refused one gave nothing back).
-    // Envoy makes its stream-done calls after the answers: wait for the first lease.
+    // They finish: their leases are given back (and the refused one gave nothing back), by
+    // Envoy's stream-done calls after the answers.
+    let (others, failed) = (top.leases("acme") - held.len(), top.failed_calls().await);
     top.upstream.release();
     for stream in held {
         assert_eq!(envoy::read_reply(stream, Instant::now()).await.status, 200);
     }
-    wait_for_a_lease(&one_more, Instant::now(), "finished").await;
-    let held = top.hold("acme", 20).await;
-    assert_eq!(one_more().await, 429, "exactly 20 again");
+    top.leases_back("acme", others, failed, "finished").await;
+    let kept = top.leases("acme");
+    let held = top.fill("acme").await;
+    assert_eq!(
+        held.len(),
+        20 - kept,
+        "all the capacity back but for {kept} leases"
+    );
 
     // Their clients go away (TCP reset): Envoy's stream-done calls give the leases back.
-    let reset_at = Instant::now();
+    let (others, failed) = (top.leases("acme") - held.len(), top.failed_calls().await);
     held.into_iter().for_each(envoy::reset);
     top.upstream.wait_held(0).await;
-    wait_for_a_lease(&one_more, reset_at, "reset").await;
-    let held = top.hold("acme", 20).await;
-    assert_eq!(one_more().await, 429);
+    top.leases_back("acme", others, failed, "reset").await;
+    let kept = top.leases("acme");
+    let held = top.fill("acme").await;
+    assert_eq!(
+        held.len(),
+        20 - kept,
+        "all the capacity back but for {kept} leases"
+    );
     top.upstream.release();
     for stream in held {
         assert_eq!(envoy::read_reply(stream, Instant::now()).await.status, 200);
