@@ -49,7 +49,7 @@ pub fn binary_or_skip(test: &str) -> Option<PathBuf> {
 }
 
 /// The text of a shipped example, `examples/envoy/<name>`.
-pub fn example(name: &str) -> String {
+fn example(name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("examples/envoy")
         .join(name);
@@ -58,7 +58,7 @@ pub fn example(name: &str) -> String {
 
 /// Where an example's processes listen: what the shipped file says (the docker-compose
 /// service names), and where the test puts them.
-pub struct Addresses {
+struct Addresses {
     pub admin: SocketAddr,
     pub listener: SocketAddr,
     pub turnstiles: [SocketAddr; 2],
@@ -67,7 +67,7 @@ pub struct Addresses {
 
 /// `yaml` with every address of the example replaced; each must be there exactly once, so a
 /// changed example fails here rather than silently keeping an address of its own.
-pub fn rewrite(yaml: &str, at: &Addresses) -> String {
+fn rewrite(yaml: &str, at: &Addresses) -> String {
     let socket = |a: SocketAddr| format!("{{address: {}, port_value: {}}}", a.ip(), a.port());
     let replacements = [
         ("{address: 0.0.0.0, port_value: 9901}", socket(at.admin)),
@@ -146,11 +146,7 @@ impl Envoy {
         panic!("Envoy did not start, three times; its logs:\n{failures:#?}");
     }
 
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn log(&self) -> String {
+    fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
     }
 
@@ -257,7 +253,7 @@ fn request_head(path: &str, headers: &[(&str, &str)]) -> Vec<u8> {
 }
 
 /// A connection from `source` to `to`.
-pub async fn connect(source: Ipv4Addr, to: SocketAddr) -> tokio::net::TcpStream {
+async fn connect(source: Ipv4Addr, to: SocketAddr) -> tokio::net::TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket
         .bind(SocketAddr::new(IpAddr::V4(source), 0))
