@@ -41,10 +41,14 @@ pub fn binary() -> Result<PathBuf, String> {
         })
 }
 
-/// The Envoy binary, or None after saying on stderr why `test` is skipped.
+/// The Envoy binary, or None after saying on stderr why `test` is skipped (written past the
+/// test harness's capture, so a passing run shows it too).
 pub fn binary_or_skip(test: &str) -> Option<PathBuf> {
+    use std::io::Write;
     binary()
-        .map_err(|why| eprintln!("skipped {test}: {why}"))
+        .map_err(|why| {
+            let _ = writeln!(std::io::stderr(), "skipped {test}: {why}");
+        })
         .ok()
 }
 
