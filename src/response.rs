@@ -4,6 +4,10 @@
 //! enforced status is over, or when quota statuses exist and all are over; shadow statuses
 //! are reported as OK but keep their figures. Optional response headers describe the status
 //! closest to its limit, in the reference's trio or the IETF draft's pair.
+//!
+//! Durations are exact to the millisecond, except in a refusal: Envoy cuts
+//! `duration_until_reset` to whole seconds for `x-ratelimit-reset`, so a refusal's are rounded
+//! up (at least 1 s) and the exact figure travels in the dynamic metadata (`reset_ms`).
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
@@ -75,6 +79,20 @@ fn seconds_up(d: &ProtoDuration) -> i64 {
     d.seconds + i64::from(d.nanos > 0)
 }
 
+/// A refused answer's retry time in whole seconds, at least one. Envoy turns
+/// `duration_until_reset` into `x-ratelimit-reset` by dropping the fraction, so 0.4 s would
+/// tell a refused client "0: now", and 1.5 s would say "1", when it would still be refused.
+fn refusal_duration(d: &ProtoDuration) -> ProtoDuration {
+    ProtoDuration {
+        seconds: seconds_up(d).max(1),
+        nanos: 0,
+    }
+}
+
+fn millis(d: &ProtoDuration) -> f64 {
+    d.seconds as f64 * 1e3 + f64::from(d.nanos / 1_000_000)
+}
+
 fn status(decision: &Decision<'_>, plan: &Plan<'_>, outcomes: &[Outcome]) -> DescriptorStatus {
     match decision {
         Decision::NoLimit => DescriptorStatus {
@@ -114,7 +132,7 @@ pub fn build(
     outcomes: &[Outcome],
     settings: &ResponseSettings,
 ) -> Built {
-    let statuses: Vec<DescriptorStatus> = plan
+    let mut statuses: Vec<DescriptorStatus> = plan
         .decisions
         .iter()
         .map(|d| status(d, plan, outcomes))
@@ -129,7 +147,7 @@ pub fn build(
             .flat_map(|a| a.hits().map(|i| (a.role, outcomes[i].admitted))),
     );
     let shadowed_globally = over && settings.global_shadow;
-    let response_headers_to_add = headers(plan, &statuses, outcomes, &settings.headers);
+    // The metadata keeps the exact retry time (milliseconds) that a refusal's statuses lose.
     let dynamic_metadata = if settings.reference_metadata {
         Some(reference_metadata(request, plan, &statuses, outcomes))
     } else {
@@ -137,14 +155,20 @@ pub fn build(
             .metadata
             .then(|| metadata(plan, &statuses, outcomes))
     };
+    let refused = over && !shadowed_globally;
+    if refused {
+        // Whichever status Envoy picks for x-ratelimit-reset, it never says "now".
+        for d in statuses
+            .iter_mut()
+            .filter_map(|s| s.duration_until_reset.as_mut())
+        {
+            *d = refusal_duration(d);
+        }
+    }
+    let response_headers_to_add = headers(plan, &statuses, outcomes, &settings.headers);
     Built {
         response: RateLimitResponse {
-            overall_code: if over && !shadowed_globally {
-                Code::OverLimit
-            } else {
-                Code::Ok
-            }
-            .into(),
+            overall_code: if refused { Code::OverLimit } else { Code::Ok }.into(),
             statuses,
             response_headers_to_add,
             dynamic_metadata,
@@ -266,24 +290,33 @@ fn object(fields: impl IntoIterator<Item = (&'static str, Value)>) -> Struct {
 /// at the top, for `%DYNAMIC_METADATA(envoy.filters.http.ratelimit:rule)%`, and the same
 /// for every descriptor under `descriptors`.
 fn metadata(plan: &Plan<'_>, statuses: &[DescriptorStatus], outcomes: &[Outcome]) -> Struct {
-    let describe = |decision: &Decision<'_>| {
+    let describe = |decision: &Decision<'_>, status: &DescriptorStatus| {
         let mut fields = vec![("outcome", text(outcome_name(decision, outcomes)))];
         if let Decision::Limited(a) = decision {
             fields.push(("rule", text(a.name)));
             let (limit, _) = plan.decisive(a, outcomes);
             fields.push(("algorithm", text(limit.algorithm.name())));
         }
+        if let Some(reset) = &status.duration_until_reset {
+            fields.push((
+                "reset_ms",
+                Value {
+                    kind: Some(Kind::NumberValue(millis(reset))),
+                },
+            ));
+        }
         fields
     };
     let descriptors = plan
         .decisions
         .iter()
-        .map(|d| Value {
-            kind: Some(Kind::StructValue(object(describe(d)))),
+        .zip(statuses)
+        .map(|(d, s)| Value {
+            kind: Some(Kind::StructValue(object(describe(d, s)))),
         })
         .collect();
     let mut top = match headline(plan, statuses) {
-        Some((index, _)) => describe(&plan.decisions[index]),
+        Some((index, _)) => describe(&plan.decisions[index], &statuses[index]),
         None => vec![("outcome", text("no_limit"))],
     };
     top.push((
@@ -371,7 +404,7 @@ fn reference_metadata(
     }
     let mut top = object(fields);
     let ours = metadata(plan, statuses, outcomes);
-    for key in ["rule", "algorithm", "outcome"] {
+    for key in ["rule", "algorithm", "outcome", "reset_ms"] {
         if let Some(value) = ours.fields.get(key) {
             top.fields.insert(key.to_owned(), value.clone());
         }
@@ -429,5 +462,22 @@ mod tests {
             (whole.seconds, whole.nanos, seconds_up(&whole)),
             (58, 0, 58)
         );
+    }
+
+    #[test]
+    fn a_refusal_says_whole_seconds_and_never_zero() {
+        for (micros, seconds) in [
+            (0, 1),
+            (1, 1),
+            (400_000, 1),
+            (1_000_000, 1),
+            (1_500_000, 2),
+            (58_000_000, 58),
+            (58_000_001, 59),
+        ] {
+            let d = refusal_duration(&proto_duration(micros));
+            assert_eq!((d.seconds, d.nanos), (seconds, 0), "{micros} µs");
+        }
+        assert_eq!(millis(&proto_duration(1_500_001)), 1_501.0);
     }
 }
