@@ -1161,3 +1161,98 @@ async fn a_probe_answered_out_of_memory_does_not_wedge_the_breaker() {
         took.as_millis()
     );
 }
+
+/// One client that abandons its calls, next to a victim, with Redis healthy. Every 35 ms the
+/// abuser sends 6 calls: 3 it cancels at once (RST_STREAM) and 3 with `grpc-timeout: 1n`
+/// (no time to wait for anything). Envoy cancels calls too (its filter timeout, a downstream
+/// reset): none of that says anything about Redis, so the breaker stays closed and the victim
+/// gets Redis' answer every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_abandoned_by_their_client_do_not_open_the_breaker_for_others() {
+    let _serial = load::serial().await;
+    let store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let abuser = RateLimitServiceClient::new(t.channel().await);
+    let mut victim = RateLimitServiceClient::new(t.channel().await);
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let abusing = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut sent = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut calls = tokio::task::JoinSet::new();
+                for i in 0..6 {
+                    let mut client = abuser.clone();
+                    let mut r = tonic::Request::new(request(
+                        "faults",
+                        vec![descriptor(&[("signal", "abuser")])],
+                    ));
+                    calls.spawn(async move {
+                        if i % 2 == 0 {
+                            r.set_timeout(Duration::from_nanos(1));
+                            let _ = client.should_rate_limit(r).await;
+                        } else {
+                            // Dropping the call mid-flight resets its stream.
+                            let _ = tokio::time::timeout(
+                                Duration::from_micros(300),
+                                client.should_rate_limit(r),
+                            )
+                            .await;
+                        }
+                    });
+                }
+                sent += 6;
+                calls.join_all().await;
+                tokio::time::sleep(Duration::from_millis(35)).await;
+            }
+            sent
+        }
+    });
+
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    while started.elapsed() < Duration::from_secs(3) {
+        let r = request("faults", vec![descriptor(&[("signal", "victim")])]);
+        let answer = Answer::from_result(
+            victim
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        answers.push(answer);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let abandoned = abusing.await.expect("the abuser panicked");
+
+    let failed: Vec<&Answer> = answers.iter().filter(|a| a.failed()).collect();
+    let opened = t
+        .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+        .await
+        .unwrap_or(0.0);
+    println!(
+        "[faults] abandoned calls: {abandoned} abandoned next to {} victim calls: {} failed, breaker opened {opened} times",
+        answers.len(),
+        failed.len()
+    );
+    assert!(abandoned >= 200, "only {abandoned} calls were abandoned");
+    assert!(
+        failed.is_empty(),
+        "{} of {} victim calls failed, e.g. {:?}",
+        failed.len(),
+        answers.len(),
+        failed[0]
+    );
+    assert_eq!(opened, 0.0, "the breaker opened with Redis healthy");
+    for answer in &answers {
+        assert_eq!(
+            classify(Policy::Error, answer),
+            Ok(Style::Backend),
+            "every victim call is answered by Redis"
+        );
+    }
+}
