@@ -1256,3 +1256,65 @@ async fn calls_abandoned_by_their_client_do_not_open_the_breaker_for_others() {
         );
     }
 }
+
+/// A call that times out while Redis is frozen is still in Redis' input when it thaws; the
+/// script then runs past the call's deadline (sent on Redis' clock) and charges nothing: the
+/// count afterwards holds only the calls that were answered from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
+    let _serial = load::serial().await;
+    let mut store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let redis = store.single();
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let mut call = async || {
+        let r = request("faults", vec![descriptor(&[("small", "late")])]);
+        Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        )
+    };
+    let scripts = || {
+        let info: String = redis.query(&["INFO", "commandstats"]);
+        let calls = |cmd: &str| -> u64 {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+                .and_then(|rest| rest.split(',').next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        calls("evalsha") + calls("eval")
+    };
+    for i in 1..=3 {
+        assert_eq!(call().await, Answer::Ok(vec![SMALL_LIMIT - i]), "before");
+    }
+    let before = block_in_place(scripts);
+
+    block_in_place(|| redis.freeze());
+    let timed_out = call().await;
+    // Frozen a while longer than the call waited: the script surely runs late.
+    tokio::time::sleep(Duration::from_millis(2 * REDIS_TIMEOUT_MS)).await;
+    block_in_place(|| redis.thaw());
+    assert!(
+        matches!(timed_out, Answer::Failed(tonic::Code::Unavailable, ref m) if m.contains("timed out")),
+        "{timed_out:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ran = block_in_place(scripts) - before;
+    let after = call().await;
+    println!(
+        "[faults] late decision: {ran} script run after the thaw; the next call left {:?} of {SMALL_LIMIT} (had the timed-out call been charged: {})",
+        after.remaining(),
+        SMALL_LIMIT - 5
+    );
+    assert_eq!(ran, 1, "the timed-out call's script ran once Redis thawed");
+    assert_eq!(
+        after,
+        Answer::Ok(vec![SMALL_LIMIT - 4]),
+        "only the calls answered from Redis are charged"
+    );
+}
