@@ -1318,3 +1318,46 @@ async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
         "only the calls answered from Redis are charged"
     );
 }
+
+/// A request with a descriptor the over-limit cache knows to be over its limit is refused
+/// at once, Redis or not: with Redis killed it is still OVER_LIMIT (not the policy's error,
+/// which Envoy would let through), while a request without it gets the policy's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_refusal_refuses_its_request_during_an_outage() {
+    let _serial = load::serial().await;
+    let mut store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let mut call = async |descriptors: &[&str]| {
+        let descriptors = descriptors
+            .iter()
+            .map(|d| descriptor(&[(d, "cached")]))
+            .collect();
+        Answer::from_result(
+            client
+                .should_rate_limit(request("faults", descriptors))
+                .await
+                .map(tonic::Response::into_inner),
+        )
+    };
+    for _ in 0..SMALL_LIMIT {
+        assert!(call(&["small"]).await.admitted());
+    }
+    assert_eq!(call(&["small"]).await, Answer::OverLimit(vec![0]));
+
+    block_in_place(|| store.single().stop());
+    let both = call(&["signal", "small"]).await;
+    let alone = call(&["signal"]).await;
+    println!("[faults] cached refusal, Redis killed: with it {both:?}; without it {alone:?}");
+    assert!(
+        matches!(both, Answer::OverLimit(ref r) if r[1] == 0),
+        "with a cached refusal: {both:?}"
+    );
+    assert!(
+        matches!(alone, Answer::Failed(tonic::Code::Unavailable, _)),
+        "Redis is down, the policy is error: {alone:?}"
+    );
+}
