@@ -1033,8 +1033,8 @@ async fn a_probe_cut_short_by_the_clients_deadline_is_answered_by_policy_and_doe
         assert_eq!(answer, Answer::Ok(vec![0]), "allowed by the policy");
     }
     // Past the first backoff, the next call is the probe. Its deadline (100 ms) is shorter
-    // than the Redis timeout: the policy answers within the deadline, and the unfinished
-    // probe counts as a failed one.
+    // than the Redis timeout: the policy answers within the deadline, and the abandoned probe
+    // gives its turn to the next call.
     tokio::time::sleep(Duration::from_millis(150)).await;
     let sent = Instant::now();
     let probe = client
