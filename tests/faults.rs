@@ -82,8 +82,12 @@ const STABLE: Duration = Duration::from_millis(300);
 /// Pause of each load stream between its calls: about 800 calls/s over 8 streams, so that the
 /// 2 cores are not saturated and latencies measure turnstile, not the CPU queue.
 const PACE: Duration = Duration::from_millis(10);
-/// How long Redis stays away.
+/// How long Redis stays away, at least (see MIN_DURING).
 const OUTAGE: Duration = Duration::from_secs(1);
+/// Calls per member the checks need, in all and during an outage: the load runs (bounded)
+/// until it has them, however fast the machine answers.
+const MIN_CALLS: usize = 50;
+const MIN_DURING: usize = 20;
 /// From the fault, the policy answers every call sent after this (in flight at the fault,
 /// calls may still be answered by Redis).
 const OPENING: Duration = Duration::from_millis(250);
@@ -384,7 +388,25 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
         }
     });
     match fault {
-        Fault::Kill | Fault::Freeze => tokio::time::sleep(OUTAGE).await,
+        Fault::Kill | Fault::Freeze => {
+            // At least OUTAGE, and until every member has the calls the outage checks need: a
+            // busy machine answers fewer per second, and a sample size is not a speed.
+            tokio::time::sleep(OUTAGE).await;
+            let give_up = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < give_up {
+                let samples = load.snapshot();
+                let during = |id: usize| {
+                    samples
+                        .iter()
+                        .filter(|s| s.target == id && s.sent >= fault_at + OPENING)
+                        .count()
+                };
+                if (0..scenario.members.len()).all(|id| during(id) >= MIN_DURING) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         Fault::ScriptFlush => {
             for _ in 0..5 {
                 let server = scenario.store.single();
@@ -445,6 +467,7 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
                 (Some(since), Some(last)) => {
                     last.sent >= since + STABLE + Duration::from_millis(100)
                         && last.sent >= back_at + STABLE
+                        && mine.len() > MIN_CALLS
                 }
                 _ => false,
             }
@@ -461,7 +484,11 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
     for (id, member) in scenario.members.iter().enumerate() {
         let label = member.label();
         let mine: Vec<&Sample> = samples.iter().filter(|s| s.target == id).collect();
-        assert!(mine.len() > 50, "{name} {label}: only {} calls", mine.len());
+        assert!(
+            mine.len() > MIN_CALLS,
+            "{name} {label}: only {} calls",
+            mine.len()
+        );
         let styles: Vec<Style> = mine
             .iter()
             .map(|s| {
@@ -495,7 +522,7 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
                 .map(|(_, st)| *st)
                 .collect();
             assert!(
-                during.len() >= 20,
+                during.len() >= MIN_DURING,
                 "{name} {label}: only {} calls during the outage",
                 during.len()
             );
@@ -820,8 +847,25 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
     }
     let fault_at = Instant::now();
     block_in_place(|| scenario.store.single().freeze());
-    // Long enough for every instance to be asked well over its share after the breaker opens.
+    // Long enough for every instance to be asked well over its share after the breaker opens:
+    // at least 2 x OUTAGE, and until each was asked twice its share (a busy machine answers
+    // fewer calls per second).
+    let share = (f64::from(SHARED_LIMIT) * 0.25) as usize;
     tokio::time::sleep(2 * OUTAGE).await;
+    let give_up = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < give_up {
+        let samples = load.snapshot();
+        let asked = |id: usize| {
+            samples
+                .iter()
+                .filter(|s| s.target == id && s.sent >= fault_at)
+                .count()
+        };
+        if (0..scenario.instances.len()).all(|id| asked(id) >= 2 * share) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     block_in_place(|| scenario.store.single().thaw());
     let back_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -846,7 +890,6 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
             .map(|s| (s.latency(), &s.answer))
             .collect::<Vec<_>>()
     );
-    let share = (f64::from(SHARED_LIMIT) * 0.25) as usize;
     for id in 0..scenario.instances.len() {
         let alone = samples
             .iter()
