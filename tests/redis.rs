@@ -755,6 +755,66 @@ async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
     assert!(one(&b, &k).await.admitted);
 }
 
+/// A decision whose caller's deadline has passed when the script starts (on Redis' clock,
+/// learned from the earlier replies) is not taken: the call times out and charges nothing,
+/// on every algorithm, on a single server and on a Cluster (one slot, and across slots).
+#[tokio::test]
+async fn a_decision_past_its_callers_deadline_charges_nothing() {
+    let server = RedisServer::start();
+    let cluster = RedisCluster::shared();
+    let single = single(&server, "late:").await;
+    let clustered = clustered(&cluster, "late:").await;
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+    ] {
+        let l = limit(algorithm, 10, Unit::Hour);
+        let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
+            (
+                "single",
+                &single,
+                vec![hit(&format!("s-{algorithm:?}"), l, 1)],
+            ),
+            (
+                "cluster",
+                &clustered,
+                vec![hit(&format!("c-{algorithm:?}"), l, 1)],
+            ),
+            (
+                "cluster across slots",
+                &clustered,
+                distinct_slots("late:", &format!("x-{algorithm:?}"), 2)
+                    .iter()
+                    .map(|k| hit(k, l, 1))
+                    .collect(),
+            ),
+        ];
+        for (name, backend, hits) in rows {
+            let first = eval(backend, &hits, Charging::Atomic).await;
+            assert!(
+                first.iter().all(|o| o.admitted && o.remaining == 9),
+                "{name}"
+            );
+            // Well in the past: the clock estimate errs late by up to the fastest reply's
+            // time to reach Redis (the first reply also carried a script load).
+            let gone = Instant::now() - SEC;
+            let late = turnstile::backend::until(gone, backend.evaluate(&hits, Charging::Atomic));
+            assert_eq!(
+                late.await,
+                Err(BackendError::Timeout),
+                "{name} {algorithm:?}"
+            );
+            let after = eval(backend, &hits, Charging::Atomic).await;
+            assert!(
+                after.iter().all(|o| o.admitted && o.remaining == 8),
+                "{name} {algorithm:?}: the late decision charged nothing: {after:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
     let mut server = RedisServer::start();
