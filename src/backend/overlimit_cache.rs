@@ -173,3 +173,101 @@ impl<B: Backend> Backend for OverLimitCache<B> {
         self.inner.ready().await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::LeaseOp;
+    use crate::limit::Unit;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Refuses "hot" for an hour and admits the rest, or fails when `down`; records what it
+    /// was asked.
+    #[derive(Default)]
+    struct Fake {
+        down: AtomicBool,
+        asked: Mutex<Vec<String>>,
+    }
+
+    impl Backend for Arc<Fake> {
+        async fn evaluate(&self, hits: &[Hit], _: Charging) -> Result<Vec<Outcome>, BackendError> {
+            let mut asked = self.asked.lock().unwrap();
+            asked.extend(hits.iter().map(|h| h.key.clone()));
+            if self.down.load(Ordering::SeqCst) {
+                return Err(BackendError::Unavailable("down".into()));
+            }
+            Ok(hits
+                .iter()
+                .map(|h| Outcome {
+                    admitted: h.key != "hot",
+                    remaining: if h.key == "hot" { 0 } else { 5 },
+                    reset_after: Duration::from_secs(3_600),
+                })
+                .collect())
+        }
+
+        async fn ready(&self) -> bool {
+            true
+        }
+    }
+
+    fn hit(key: &str, lease: Option<LeaseOp>) -> Hit {
+        Hit {
+            key: key.into(),
+            limit: Limit::fixed(10, Unit::Hour),
+            hits: 1,
+            role: Role::Enforce,
+            lease: lease.map(|op| (op, "lease-1".into())),
+        }
+    }
+
+    /// A request with a cached refusal is refused whatever the backend does; only what must
+    /// reach the backend whatever the verdict is sent, and its failure changes nothing.
+    #[tokio::test]
+    async fn a_cached_refusal_refuses_at_once_and_sends_only_what_must_be_applied() {
+        let untouched = 10;
+        let from_backend = 5;
+        // charging, the other hit's lease, backend down, other asked, its remaining
+        let rows = [
+            (Charging::Atomic, None, false, false, untouched),
+            (Charging::Atomic, None, true, false, untouched),
+            (
+                Charging::Atomic,
+                Some(LeaseOp::Release),
+                false,
+                true,
+                from_backend,
+            ),
+            (
+                Charging::Atomic,
+                Some(LeaseOp::Release),
+                true,
+                true,
+                untouched,
+            ),
+            (Charging::PerDescriptor, None, false, true, from_backend),
+            (Charging::PerDescriptor, None, true, true, untouched),
+        ];
+        for (charging, lease, down, asked, remaining) in rows {
+            let fake = Arc::new(Fake::default());
+            let cache = OverLimitCache::new(fake.clone(), 100, Arc::new(Metrics::new(0.8, 10)));
+            let hot = hit("hot", None);
+            let first = cache.evaluate(std::slice::from_ref(&hot), charging).await;
+            assert!(!first.unwrap()[0].admitted);
+            fake.asked.lock().unwrap().clear();
+            fake.down.store(down, Ordering::SeqCst);
+
+            let row = format!("{charging:?} lease {lease:?} down {down}");
+            let outcomes = cache
+                .evaluate(&[hit("other", lease), hot], charging)
+                .await
+                .unwrap_or_else(|e| panic!("{row}: {e}"));
+            assert!(!outcomes[1].admitted, "{row}: refused by the cache");
+            assert!(outcomes[0].admitted, "{row}");
+            assert_eq!(outcomes[0].remaining, remaining, "{row}");
+            let sent = fake.asked.lock().unwrap().clone();
+            let expected: Vec<String> = if asked { vec!["other".into()] } else { vec![] };
+            assert_eq!(sent, expected, "{row}: what reached the backend");
+        }
+    }
+}

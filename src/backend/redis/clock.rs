@@ -4,7 +4,8 @@
 //! Every reply ends with the script's time R; the call was sent at local time S, so
 //! R - S = offset + the time the call took to reach Redis: each reply bounds the offset from
 //! above, and the smallest bound seen is the tightest. A deadline converted with it is never
-//! earlier on Redis' clock than the true one, so a script cannot judge itself late while its
+//! earlier on Redis' clock than the true one (later by at most the fastest reply's trip to
+//! Redis: a script that late still charges), so a script cannot judge itself late while its
 //! caller still waits, unless Redis' clock moved ahead (a jump, a failover to a server whose
 //! clock is ahead, Cluster nodes that disagree). That shows as a late reply that arrives
 //! before the deadline here: the estimate then restarts from that reply (and the caller sends
