@@ -1,7 +1,7 @@
 -- One request's hits, evaluated in one atomic call on Redis time.
 --
 -- KEYS[i] is hit i's key (all of them share one slot when there are several). ARGV: mode,
--- nonce, then 7 values per hit: algorithm, limit, window seconds, burst, cost, a lease
+-- nonce, deadline, then 7 values per hit: algorithm, limit, window seconds, burst, cost, a lease
 -- ('+<id>' taken, '-<id>' given back, '' none: concurrency limits only), and a last value
 -- that is the role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the stamp the
 -- charging call replied. A lease given back always applies: its request is over. A refund passes every hit of the charging call, in the same
@@ -12,15 +12,23 @@
 -- every admitted hit regardless (the reference's behaviour; also the reservation step
 -- across Cluster slots). 'refund': undo what an 'each' call with the same nonce charged.
 --
+-- The deadline is when the caller stops waiting, in microseconds on Redis' clock (0: none).
+-- A decision that starts past it is taken by nobody's answer: the script then charges nothing
+-- and replies only the time (a refund has no deadline: it must always apply).
+--
 -- Replies 4 integers per hit: admitted (1/0), remaining, microseconds until reset (admitted)
--- or retry (refused), and a stamp identifying where the charge went.
+-- or retry (refused), and a stamp identifying where the charge went; then, always last, the
+-- script's time (TIME, microseconds), from which turnstile learns Redis' clock.
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
-local mode, nonce = ARGV[1], ARGV[2]
+local mode, nonce, deadline = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if mode ~= 'refund' and deadline > 0 and now > deadline then
+  return {now}
+end
 
 local hits = {}
 for i = 1, #KEYS do
-  local a = 2 + (i - 1) * 7
+  local a = 3 + (i - 1) * 7
   hits[i] = {
     key = KEYS[i],
     algorithm = ALGORITHMS[ARGV[a + 1]],
@@ -41,7 +49,7 @@ if mode == 'refund' then
       h.algorithm.refund(h, now)
     end
   end
-  return {}
+  return {now}
 end
 
 local verdicts = {}
@@ -69,4 +77,5 @@ for i, h in ipairs(hits) do
   reply[#reply + 1] = v.reset
   reply[#reply + 1] = v.stamp or 0
 end
+reply[#reply + 1] = now
 return reply

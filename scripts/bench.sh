@@ -266,7 +266,7 @@ ceiling() { # RULE KEYS REQUESTS
   fi
   # shellcheck disable=SC2086 # HIT_ARGS is a word list on purpose
   redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -c "$REDIS_POOL" -P "$PIPELINE" -n "$n" \
-    -r "$range" --csv EVALSHA "$SHA" 1 "$key" atomic "n__rand_int__" ${HIT_ARGS[$rule]} |
+    -r "$range" --csv EVALSHA "$SHA" 1 "$key" atomic "n__rand_int__" 0 ${HIT_ARGS[$rule]} |
     tail -1 | cut -d, -f2 | tr -d '"'
 }
 target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)

@@ -82,8 +82,12 @@ const STABLE: Duration = Duration::from_millis(300);
 /// Pause of each load stream between its calls: about 800 calls/s over 8 streams, so that the
 /// 2 cores are not saturated and latencies measure turnstile, not the CPU queue.
 const PACE: Duration = Duration::from_millis(10);
-/// How long Redis stays away.
+/// How long Redis stays away, at least (see MIN_DURING).
 const OUTAGE: Duration = Duration::from_secs(1);
+/// Calls per member the checks need, in all and during an outage: the load runs (bounded)
+/// until it has them, however fast the machine answers.
+const MIN_CALLS: usize = 50;
+const MIN_DURING: usize = 20;
 /// From the fault, the policy answers every call sent after this (in flight at the fault,
 /// calls may still be answered by Redis).
 const OPENING: Duration = Duration::from_millis(250);
@@ -384,7 +388,25 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
         }
     });
     match fault {
-        Fault::Kill | Fault::Freeze => tokio::time::sleep(OUTAGE).await,
+        Fault::Kill | Fault::Freeze => {
+            // At least OUTAGE, and until every member has the calls the outage checks need: a
+            // busy machine answers fewer per second, and a sample size is not a speed.
+            tokio::time::sleep(OUTAGE).await;
+            let give_up = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < give_up {
+                let samples = load.snapshot();
+                let during = |id: usize| {
+                    samples
+                        .iter()
+                        .filter(|s| s.target == id && s.sent >= fault_at + OPENING)
+                        .count()
+                };
+                if (0..scenario.members.len()).all(|id| during(id) >= MIN_DURING) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         Fault::ScriptFlush => {
             for _ in 0..5 {
                 let server = scenario.store.single();
@@ -445,6 +467,7 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
                 (Some(since), Some(last)) => {
                     last.sent >= since + STABLE + Duration::from_millis(100)
                         && last.sent >= back_at + STABLE
+                        && mine.len() > MIN_CALLS
                 }
                 _ => false,
             }
@@ -461,7 +484,11 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
     for (id, member) in scenario.members.iter().enumerate() {
         let label = member.label();
         let mine: Vec<&Sample> = samples.iter().filter(|s| s.target == id).collect();
-        assert!(mine.len() > 50, "{name} {label}: only {} calls", mine.len());
+        assert!(
+            mine.len() > MIN_CALLS,
+            "{name} {label}: only {} calls",
+            mine.len()
+        );
         let styles: Vec<Style> = mine
             .iter()
             .map(|s| {
@@ -481,10 +508,29 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
             "{name} {label}: Redis did not answer before the fault"
         );
         if !expect.fallback {
-            let fell_back = styles.iter().filter(|st| **st == Style::Fallback).count();
+            // Only a call that waited out the Redis timeout may have failed over: on a busy
+            // machine, re-sending the script can take longer. Errors (a lost script answered
+            // NOSCRIPT) would fail over at once, and are counted by the instance (below).
+            let fell_back: Vec<String> = mine
+                .iter()
+                .zip(&styles)
+                .filter(|(s, st)| {
+                    **st == Style::Fallback && s.latency() < Duration::from_millis(REDIS_TIMEOUT_MS)
+                })
+                .map(|(s, _)| format!("+{:?} in {:?}", s.sent - fault_at, s.latency()))
+                .collect();
+            assert!(
+                fell_back.is_empty(),
+                "{name} {label}: {} calls failed over before the Redis timeout: {fell_back:?}",
+                fell_back.len()
+            );
+            let series =
+                "ratelimit_service_should_rate_limit_error{err_type=\"backend_unavailable\"}";
+            let errors = scenario.instances[member.instance].metric(series).await;
             assert_eq!(
-                fell_back, 0,
-                "{name} {label}: {fell_back} calls failed over"
+                errors.unwrap_or(0.0),
+                0.0,
+                "{name} {label}: the backend reported errors"
             );
         }
         if expect.outage {
@@ -495,7 +541,7 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
                 .map(|(_, st)| *st)
                 .collect();
             assert!(
-                during.len() >= 20,
+                during.len() >= MIN_DURING,
                 "{name} {label}: only {} calls during the outage",
                 during.len()
             );
@@ -709,7 +755,8 @@ async fn redis_restarted_empty() {
     exercise(&mut scenario, Fault::RestartEmpty, expect).await;
 }
 
-/// SCRIPT FLUSH five times under load: the script is sent again, no request fails over.
+/// SCRIPT FLUSH five times under load: the script is sent again, no request fails over (but
+/// by waiting out the Redis timeout, on a machine too busy to re-send it in time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_under_load_fails_no_request() {
     let _serial = load::serial().await;
@@ -820,8 +867,25 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
     }
     let fault_at = Instant::now();
     block_in_place(|| scenario.store.single().freeze());
-    // Long enough for every instance to be asked well over its share after the breaker opens.
+    // Long enough for every instance to be asked well over its share after the breaker opens:
+    // at least 2 x OUTAGE, and until each was asked twice its share (a busy machine answers
+    // fewer calls per second).
+    let share = (f64::from(SHARED_LIMIT) * 0.25) as usize;
     tokio::time::sleep(2 * OUTAGE).await;
+    let give_up = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < give_up {
+        let samples = load.snapshot();
+        let asked = |id: usize| {
+            samples
+                .iter()
+                .filter(|s| s.target == id && s.sent >= fault_at)
+                .count()
+        };
+        if (0..scenario.instances.len()).all(|id| asked(id) >= 2 * share) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     block_in_place(|| scenario.store.single().thaw());
     let back_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -846,7 +910,6 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
             .map(|s| (s.latency(), &s.answer))
             .collect::<Vec<_>>()
     );
-    let share = (f64::from(SHARED_LIMIT) * 0.25) as usize;
     for id in 0..scenario.instances.len() {
         let alone = samples
             .iter()
@@ -1033,8 +1096,8 @@ async fn a_probe_cut_short_by_the_clients_deadline_is_answered_by_policy_and_doe
         assert_eq!(answer, Answer::Ok(vec![0]), "allowed by the policy");
     }
     // Past the first backoff, the next call is the probe. Its deadline (100 ms) is shorter
-    // than the Redis timeout: the policy answers within the deadline, and the unfinished
-    // probe counts as a failed one.
+    // than the Redis timeout: the policy answers within the deadline, and the abandoned probe
+    // gives its turn to the next call.
     tokio::time::sleep(Duration::from_millis(150)).await;
     let sent = Instant::now();
     let probe = client
@@ -1159,5 +1222,205 @@ async fn a_probe_answered_out_of_memory_does_not_wedge_the_breaker() {
     println!(
         "[faults] OOM probe: recovered {} ms after Redis had memory again",
         took.as_millis()
+    );
+}
+
+/// One client that abandons its calls, next to a victim, with Redis healthy. Every 35 ms the
+/// abuser sends 6 calls: 3 it cancels at once (RST_STREAM) and 3 with `grpc-timeout: 1n`
+/// (no time to wait for anything). Envoy cancels calls too (its filter timeout, a downstream
+/// reset): none of that says anything about Redis, so the breaker stays closed and the victim
+/// gets Redis' answer every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_abandoned_by_their_client_do_not_open_the_breaker_for_others() {
+    let _serial = load::serial().await;
+    let store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let abuser = RateLimitServiceClient::new(t.channel().await);
+    let mut victim = RateLimitServiceClient::new(t.channel().await);
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let abusing = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut sent = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut calls = tokio::task::JoinSet::new();
+                for i in 0..6 {
+                    let mut client = abuser.clone();
+                    let mut r = tonic::Request::new(request(
+                        "faults",
+                        vec![descriptor(&[("signal", "abuser")])],
+                    ));
+                    calls.spawn(async move {
+                        if i % 2 == 0 {
+                            r.set_timeout(Duration::from_nanos(1));
+                            let _ = client.should_rate_limit(r).await;
+                        } else {
+                            // Dropping the call mid-flight resets its stream.
+                            let _ = tokio::time::timeout(
+                                Duration::from_micros(300),
+                                client.should_rate_limit(r),
+                            )
+                            .await;
+                        }
+                    });
+                }
+                sent += 6;
+                calls.join_all().await;
+                tokio::time::sleep(Duration::from_millis(35)).await;
+            }
+            sent
+        }
+    });
+
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    while started.elapsed() < Duration::from_secs(3) {
+        let r = request("faults", vec![descriptor(&[("signal", "victim")])]);
+        let answer = Answer::from_result(
+            victim
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        answers.push(answer);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let abandoned = abusing.await.expect("the abuser panicked");
+
+    let failed: Vec<&Answer> = answers.iter().filter(|a| a.failed()).collect();
+    let opened = t
+        .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+        .await
+        .unwrap_or(0.0);
+    println!(
+        "[faults] abandoned calls: {abandoned} abandoned next to {} victim calls: {} failed, breaker opened {opened} times",
+        answers.len(),
+        failed.len()
+    );
+    assert!(abandoned >= 200, "only {abandoned} calls were abandoned");
+    assert!(
+        failed.is_empty(),
+        "{} of {} victim calls failed, e.g. {:?}",
+        failed.len(),
+        answers.len(),
+        failed[0]
+    );
+    assert_eq!(opened, 0.0, "the breaker opened with Redis healthy");
+    for answer in &answers {
+        assert_eq!(
+            classify(Policy::Error, answer),
+            Ok(Style::Backend),
+            "every victim call is answered by Redis"
+        );
+    }
+}
+
+/// A call that times out while Redis is frozen is still in Redis' input when it thaws; the
+/// script then runs past the call's deadline (sent on Redis' clock) and charges nothing: the
+/// count afterwards holds only the calls that were answered from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
+    let _serial = load::serial().await;
+    let mut store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let redis = store.single();
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let mut call = async || {
+        let r = request("faults", vec![descriptor(&[("small", "late")])]);
+        Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        )
+    };
+    let scripts = || {
+        let info: String = redis.query(&["INFO", "commandstats"]);
+        let calls = |cmd: &str| -> u64 {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+                .and_then(|rest| rest.split(',').next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        calls("evalsha") + calls("eval")
+    };
+    for i in 1..=3 {
+        assert_eq!(call().await, Answer::Ok(vec![SMALL_LIMIT - i]), "before");
+    }
+    let before = block_in_place(scripts);
+
+    block_in_place(|| redis.freeze());
+    let timed_out = call().await;
+    // Frozen a while longer than the call waited: the script surely runs late.
+    tokio::time::sleep(Duration::from_millis(2 * REDIS_TIMEOUT_MS)).await;
+    block_in_place(|| redis.thaw());
+    assert!(
+        matches!(timed_out, Answer::Failed(tonic::Code::Unavailable, ref m) if m.contains("timed out")),
+        "{timed_out:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ran = block_in_place(scripts) - before;
+    let after = call().await;
+    println!(
+        "[faults] late decision: {ran} script run after the thaw; the next call left {:?} of {SMALL_LIMIT} (had the timed-out call been charged: {})",
+        after.remaining(),
+        SMALL_LIMIT - 5
+    );
+    assert_eq!(ran, 1, "the timed-out call's script ran once Redis thawed");
+    assert_eq!(
+        after,
+        Answer::Ok(vec![SMALL_LIMIT - 4]),
+        "only the calls answered from Redis are charged"
+    );
+}
+
+/// A request with a descriptor the over-limit cache knows to be over its limit is refused
+/// at once, Redis or not: with Redis killed it is still OVER_LIMIT (not the policy's error,
+/// which Envoy would let through), while a request without it gets the policy's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_refusal_refuses_its_request_during_an_outage() {
+    let _serial = load::serial().await;
+    let mut store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args(REDIS_TIMEOUT);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let mut client = RateLimitServiceClient::new(t.channel().await);
+    let mut call = async |descriptors: &[&str]| {
+        let descriptors = descriptors
+            .iter()
+            .map(|d| descriptor(&[(d, "cached")]))
+            .collect();
+        Answer::from_result(
+            client
+                .should_rate_limit(request("faults", descriptors))
+                .await
+                .map(tonic::Response::into_inner),
+        )
+    };
+    for _ in 0..SMALL_LIMIT {
+        assert!(call(&["small"]).await.admitted());
+    }
+    assert_eq!(call(&["small"]).await, Answer::OverLimit(vec![0]));
+
+    block_in_place(|| store.single().stop());
+    let both = call(&["signal", "small"]).await;
+    let alone = call(&["signal"]).await;
+    println!("[faults] cached refusal, Redis killed: with it {both:?}; without it {alone:?}");
+    assert!(
+        matches!(both, Answer::OverLimit(ref r) if r[1] == 0),
+        "with a cached refusal: {both:?}"
+    );
+    assert!(
+        matches!(alone, Answer::Failed(tonic::Code::Unavailable, _)),
+        "Redis is down, the policy is error: {alone:?}"
     );
 }

@@ -759,6 +759,66 @@ async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
     assert!(one(&b, &k).await.admitted);
 }
 
+/// A decision whose caller's deadline has passed when the script starts (on Redis' clock,
+/// learned from the earlier replies) is not taken: the call times out and charges nothing,
+/// on every algorithm, on a single server and on a Cluster (one slot, and across slots).
+#[tokio::test]
+async fn a_decision_past_its_callers_deadline_charges_nothing() {
+    let server = RedisServer::start();
+    let cluster = RedisCluster::shared();
+    let single = single(&server, "late:").await;
+    let clustered = clustered(&cluster, "late:").await;
+    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+    ] {
+        let l = limit(algorithm, 10, Unit::Hour);
+        let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
+            (
+                "single",
+                &single,
+                vec![hit(&format!("s-{algorithm:?}"), l, 1)],
+            ),
+            (
+                "cluster",
+                &clustered,
+                vec![hit(&format!("c-{algorithm:?}"), l, 1)],
+            ),
+            (
+                "cluster across slots",
+                &clustered,
+                distinct_slots("late:", &format!("x-{algorithm:?}"), 2)
+                    .iter()
+                    .map(|k| hit(k, l, 1))
+                    .collect(),
+            ),
+        ];
+        for (name, backend, hits) in rows {
+            let first = eval(backend, &hits, Charging::Atomic).await;
+            assert!(
+                first.iter().all(|o| o.admitted && o.remaining == 9),
+                "{name}"
+            );
+            // Well in the past: the clock estimate errs late by up to the fastest reply's
+            // time to reach Redis (the first reply also carried a script load).
+            let gone = Instant::now() - SEC;
+            let late = turnstile::backend::until(gone, backend.evaluate(&hits, Charging::Atomic));
+            assert_eq!(
+                late.await,
+                Err(BackendError::Timeout),
+                "{name} {algorithm:?}"
+            );
+            let after = eval(backend, &hits, Charging::Atomic).await;
+            assert!(
+                after.iter().all(|o| o.admitted && o.remaining == 8),
+                "{name} {algorithm:?}: the late decision charged nothing: {after:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
     let mut server = RedisServer::start();
@@ -977,16 +1037,17 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     assert_eq!((raised.admitted, raised.remaining), (true, 3));
     assert_eq!(script_calls(&server), calls + 2);
 
-    // A request that the cache refuses charges nothing on its other hits.
+    // A request that the cache refuses is answered without a round trip and charges nothing
+    // on its other hits.
     let other = hit("other", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
+    assert_eq!(one(&cache, &other).await.remaining, 9);
+    let calls = script_calls(&server);
     let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
-    assert_eq!(
-        (both[0].admitted, both[0].remaining, both[1].admitted),
-        (true, 10, false)
-    );
+    assert_eq!((both[0].admitted, both[1].admitted), (true, false));
+    assert_eq!(script_calls(&server), calls, "refused at once");
     assert_eq!(
         one(&cache, &other).await.remaining,
-        9,
+        8,
         "the refused request charged nothing"
     );
     assert!(
@@ -1189,9 +1250,17 @@ async fn the_reference_key_layout_shares_fixed_window_counters_with_the_referenc
 
 // ---- exact retry times ---------------------------------------------------------------------
 
-/// Refuse once, then probe: just before the reported retry time the hit is still refused,
-/// and it is admitted within a few milliseconds after. Returns how late (+) or early (-) the
-/// first admission came, relative to the reported time, in milliseconds.
+/// Refuse once, then probe (30 ms before the reported retry time, then every 2 ms) until
+/// admitted. Returns how late (+) or early (-) the first admitted probe was sent, relative to
+/// the reported time, in milliseconds.
+///
+/// The retry time counts from the refusing decision, which the client places only within that
+/// call's round trip: the limit resets somewhere in [due - round trip, due], `due` being the
+/// answer's arrival plus the reported wait. A probe is admitted by a decision taken before
+/// its answer arrived, so what is knowable, and asserted, is that no admitted probe's answer
+/// arrived before `due - round trip`; and a probe sent after `due` is decided after the reset,
+/// so it must be admitted (within 1 ms: the wait is reported in whole microseconds, and timers
+/// here have millisecond granularity).
 async fn retry_error_ms(backend: &impl Backend, h: &Hit, fill: usize) -> f64 {
     for _ in 0..fill {
         assert!(
@@ -1199,31 +1268,36 @@ async fn retry_error_ms(backend: &impl Backend, h: &Hit, fill: usize) -> f64 {
             "the limit admits {fill} first"
         );
     }
+    let sent = Instant::now();
     let refused = one(backend, h).await;
-    let reported_at = Instant::now();
+    let answered = Instant::now();
     assert!(!refused.admitted);
-    let due = reported_at + refused.reset_after;
+    let round_trip = answered - sent;
+    let due = answered + refused.reset_after;
     if refused.reset_after > Duration::from_millis(60) {
         tokio::time::sleep_until((due - Duration::from_millis(30)).into()).await;
-        let sent = Instant::now();
-        let early = one(backend, h).await;
-        // A busy machine may send the probe late; only an early one proves anything.
-        if sent + Duration::from_millis(10) < due {
-            assert!(!early.admitted, "30 ms early is still refused");
-        } else if early.admitted {
-            return sent.saturating_duration_since(due).as_secs_f64() * 1e3;
-        }
     }
     loop {
         let sent = Instant::now();
-        if one(backend, h).await.admitted {
+        let probe = one(backend, h).await;
+        let answered = Instant::now();
+        if probe.admitted {
+            assert!(
+                answered + round_trip >= due,
+                "admitted {:?} before the reported retry time, the refusal's round trip was {round_trip:?}",
+                due - answered
+            );
             return if sent >= due {
                 (sent - due).as_secs_f64() * 1e3
             } else {
                 -((due - sent).as_secs_f64() * 1e3)
             };
         }
-        assert!(sent < due + Duration::from_secs(1), "never admitted again");
+        assert!(
+            sent < due + Duration::from_millis(1),
+            "refused {:?} after the reported retry time",
+            sent - due
+        );
         sleep(Duration::from_millis(2)).await;
     }
 }
@@ -1255,7 +1329,6 @@ async fn retry_times_are_when_admission_resumes() {
             1,
         ),
     ];
-    let mut worst: f64 = 0.0;
     for (name, l, fill) in cases {
         let errors = [
             retry_error_ms(&memory, &hit(&format!("m-{name}"), l, 1), fill).await,
@@ -1265,20 +1338,7 @@ async fn retry_times_are_when_admission_resumes() {
         println!(
             "{name}: first admission after the reported retry time (memory, single, cluster): {errors:.1?} ms"
         );
-        for e in errors {
-            assert!(
-                e > -1.0,
-                "{name}: admitted {e:.1} ms before the reported time"
-            );
-            worst = worst.max(e);
-        }
     }
-    // Probing every 2 ms, admission shows up a few ms after the reported time on a quiet
-    // machine (the figures printed above); the bound leaves room for a busy one.
-    assert!(
-        worst < 250.0,
-        "admission resumed {worst:.1} ms after the reported time"
-    );
 }
 
 // ---- hot-key shards ------------------------------------------------------------------------

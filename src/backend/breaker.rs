@@ -1,11 +1,26 @@
-//! A circuit breaker around a backend: after K consecutive failures (errors or timeouts) it
-//! opens and fails calls at once, without touching the backend, so a dead or frozen Redis
-//! costs no request its full timeout; it lets one probe through after a backoff that doubles
-//! up to a maximum, and closes on the first success.
+//! A circuit breaker around a backend: after K consecutive failures it opens and fails calls
+//! at once, without touching the backend, so a dead or frozen Redis costs no request its full
+//! timeout; it lets one probe through after a backoff that doubles up to a maximum, and closes
+//! on the first success.
+//!
+//! Only evidence that the backend fails counts, because any client can produce the rest: an
+//! error the backend reported (a refused connection, an error reply), or no answer within the
+//! backend's own timeout while this process ran on time. Not evidence:
+//! - a call its caller abandoned (a reset stream, a dropped future, a deadline shorter than
+//!   the backend's timeout): it says nothing about the backend. An abandoned probe gives its
+//!   turn to the next call. So that a backend frozen while every caller gives up early
+//!   (Envoy's 20 ms filter timeout against a longer Redis timeout) still opens the circuit, an
+//!   abandoned call starts one independent check (`ready`, bounded by the backend's own
+//!   timeout) if none is running; its result is the evidence.
+//! - a timeout while this process's own scheduler lagged: a saturated runtime runs timers and
+//!   reads replies late, and would blame a healthy Redis for its own queue. A ticker measures
+//!   how late the runtime wakes it; a timeout counts only if that lag stayed under half the
+//!   time the call waited.
 //!
 //! The failure policy (fallback) then answers the failed calls; the breaker only decides
 //! whether the backend is worth asking.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -55,26 +70,55 @@ enum Admission {
     Reject,
 }
 
+/// What a finished call says about the backend.
+enum Evidence {
+    Works,
+    Fails,
+    /// Neither: a full backend answers but proves little else; a lagging process proves
+    /// nothing by a timeout.
+    Inconclusive,
+}
+
 pub struct Breaker<B> {
-    inner: B,
+    inner: Arc<B>,
+    core: Arc<Core>,
+}
+
+/// What the breaker's background checks share with it.
+struct Core {
     config: BreakerConfig,
     state: Mutex<State>,
     metrics: Arc<Metrics>,
+    lag: Lag,
+    /// An independent check of the backend is running.
+    checking: AtomicBool,
 }
 
 impl<B: Backend> Breaker<B> {
+    /// Must be called within a Tokio runtime (the lag ticker runs on it).
     pub fn new(inner: B, config: BreakerConfig, metrics: Arc<Metrics>) -> Breaker<B> {
         metrics.set_circuit_open(false);
         Breaker {
-            inner,
-            config,
-            state: Mutex::new(State::Closed { failures: 0 }),
-            metrics,
+            inner: Arc::new(inner),
+            core: Arc::new(Core {
+                config,
+                state: Mutex::new(State::Closed { failures: 0 }),
+                metrics,
+                lag: Lag::start(),
+                checking: AtomicBool::new(false),
+            }),
         }
     }
+}
 
+impl Core {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    #[cfg(test)]
+    fn is_closed(&self) -> bool {
+        matches!(*self.state(), State::Closed { .. })
     }
 
     fn admit(&self) -> Admission {
@@ -86,6 +130,30 @@ impl<B: Backend> Breaker<B> {
                 Admission::Probe
             }
             State::Open { .. } | State::Probing { .. } => Admission::Reject,
+        }
+    }
+
+    /// A timeout is evidence only if this process kept time while the call waited.
+    fn judge(&self, result: &Result<Vec<Outcome>, BackendError>, waited: Duration) -> Evidence {
+        match result {
+            Ok(_) => Evidence::Works,
+            Err(BackendError::Full(_)) => Evidence::Inconclusive,
+            Err(BackendError::Timeout) if self.lag.recent() > (waited / 2).max(LAG_FLOOR) => {
+                Evidence::Inconclusive
+            }
+            Err(_) => Evidence::Fails,
+        }
+    }
+
+    fn record(&self, evidence: Evidence, probe: bool) {
+        match evidence {
+            Evidence::Works => self.succeeded(),
+            // A probe that meets a full backend (memory, or Redis out of memory) or a lagging
+            // process closes the circuit rather than holding it half-open: the backend
+            // answered, or nothing says it would not have.
+            Evidence::Inconclusive if probe => self.succeeded(),
+            Evidence::Inconclusive => {}
+            Evidence::Fails => self.failed(probe),
         }
     }
 
@@ -124,22 +192,52 @@ impl<B: Backend> Breaker<B> {
             State::Open { .. } | State::Probing { .. } => {}
         }
     }
+
+    /// A call was abandoned by its caller: if it was the probe, the next call probes.
+    fn abandoned(&self, probe: bool) {
+        let mut state = self.state();
+        if let (true, State::Probing { backoff }) = (probe, *state) {
+            *state = State::Open {
+                until: Instant::now(),
+                backoff,
+            };
+        }
+    }
 }
 
-/// A call dropped before the backend answered (its deadline passed first, or its client went
-/// away) counts as a failure: a frozen backend must still open the circuit when every caller
-/// gives up before the backend timeout, and a dropped probe must not leave the breaker
-/// half-open for ever.
-struct Unfinished<'a, B: Backend> {
+/// Ask the backend whether it answers, once at a time, in the background; the answer is
+/// evidence like a call's.
+fn check<B: Backend>(inner: &Arc<B>, core: &Arc<Core>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    if core.checking.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (inner, core) = (Arc::clone(inner), Arc::clone(core));
+    runtime.spawn(async move {
+        let started = Instant::now();
+        let result = match inner.ready().await {
+            true => Ok(Vec::new()),
+            false => Err(BackendError::Timeout),
+        };
+        core.record(core.judge(&result, started.elapsed()), false);
+        core.checking.store(false, Ordering::Release);
+    });
+}
+
+/// Dropped before the backend answered: the caller abandoned the call.
+struct Abandoned<'a, B: Backend> {
     breaker: &'a Breaker<B>,
     probe: bool,
     armed: bool,
 }
 
-impl<B: Backend> Drop for Unfinished<'_, B> {
+impl<B: Backend> Drop for Abandoned<'_, B> {
     fn drop(&mut self) {
         if self.armed {
-            self.breaker.failed(self.probe);
+            self.breaker.core.abandoned(self.probe);
+            check(&self.breaker.inner, &self.breaker.core);
         }
     }
 }
@@ -150,27 +248,21 @@ impl<B: Backend> Backend for Breaker<B> {
         hits: &[Hit],
         charging: Charging,
     ) -> Result<Vec<Outcome>, BackendError> {
-        let probe = match self.admit() {
+        let probe = match self.core.admit() {
             Admission::Reject => return Err(BackendError::CircuitOpen),
             Admission::Probe => true,
             Admission::Call => false,
         };
-        let mut unfinished = Unfinished {
+        let mut abandoned = Abandoned {
             breaker: self,
             probe,
             armed: true,
         };
+        let started = Instant::now();
         let result = self.inner.evaluate(hits, charging).await;
-        unfinished.armed = false;
-        match &result {
-            Ok(_) => self.succeeded(),
-            // A full backend (memory, or Redis out of memory) is not a failing one: it
-            // answers, so a probe that meets it closes the circuit rather than holding it
-            // half-open.
-            Err(BackendError::Full(_)) if probe => self.succeeded(),
-            Err(BackendError::Full(_)) => {}
-            Err(_) => self.failed(probe),
-        }
+        abandoned.armed = false;
+        self.core
+            .record(self.core.judge(&result, started.elapsed()), probe);
         result
     }
 
@@ -179,23 +271,99 @@ impl<B: Backend> Backend for Breaker<B> {
     }
 }
 
+/// How late this process's runtime wakes a task that asked to be woken: near zero on a
+/// healthy process, the length of the run queue on a saturated one.
+struct Lag {
+    shared: Arc<LagShared>,
+}
+
+struct LagShared {
+    base: Instant,
+    /// When the ticker last woke, in microseconds since `base`.
+    woke: AtomicU64,
+    /// How late it woke then, in microseconds.
+    late: AtomicU64,
+}
+
+/// The ticker's period: a few thousand cheap wake-ups a minute.
+const TICK: Duration = Duration::from_millis(5);
+/// Lag below this is the timers' own granularity (1 ms) and ordinary scheduling.
+const LAG_FLOOR: Duration = Duration::from_millis(2);
+
+impl Lag {
+    /// Start the ticker; it stops when the `Lag` is dropped.
+    fn start() -> Lag {
+        let shared = Arc::new(LagShared {
+            base: Instant::now(),
+            woke: AtomicU64::new(0),
+            late: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&shared);
+        tokio::spawn(async move {
+            loop {
+                let due = Instant::now() + TICK;
+                tokio::time::sleep_until(due.into()).await;
+                let Some(shared) = weak.upgrade() else {
+                    return;
+                };
+                let now = Instant::now();
+                shared.late.store(micros(now - due), Ordering::Relaxed);
+                shared
+                    .woke
+                    .store(micros(now - shared.base), Ordering::Relaxed);
+            }
+        });
+        Lag { shared }
+    }
+
+    /// The lag now: how late the ticker last woke, or how overdue it is if that is more.
+    fn recent(&self) -> Duration {
+        let shared = &self.shared;
+        let woke = Duration::from_micros(shared.woke.load(Ordering::Relaxed));
+        let overdue = shared.base.elapsed().saturating_sub(woke + TICK);
+        Duration::from_micros(shared.late.load(Ordering::Relaxed)).max(overdue)
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::sync::atomic::AtomicU32;
 
-    /// A backend whose health the test switches, counting the calls that reach it.
+    /// A backend whose behaviour the test switches, counting the calls that reach it.
     #[derive(Default)]
     struct Switch {
+        /// Calls fail (a refused connection) and `ready` says no.
         down: AtomicBool,
+        /// Calls wait 30 ms, then time out: a frozen backend, seen by a process keeping time.
+        slow: AtomicBool,
+        /// Calls never answer; only their callers end them.
+        hang: AtomicBool,
+        /// Calls block the runtime's thread 40 ms, then time out: a saturated process.
+        stall: AtomicBool,
         calls: AtomicU32,
     }
 
     impl Backend for Arc<Switch> {
         async fn evaluate(&self, hits: &[Hit], _: Charging) -> Result<Vec<Outcome>, BackendError> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            if self.down.load(Ordering::SeqCst) {
+            if self.hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            if self.stall.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(40));
                 return Err(BackendError::Timeout);
+            }
+            if self.slow.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                return Err(BackendError::Timeout);
+            }
+            if self.down.load(Ordering::SeqCst) {
+                return Err(BackendError::Unavailable("down".into()));
             }
             Ok(hits
                 .iter()
@@ -212,20 +380,35 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn opens_after_k_failures_probes_with_backoff_and_closes_on_success() {
+    fn down() -> BackendError {
+        BackendError::Unavailable("down".into())
+    }
+
+    fn breaker(failures_to_open: u32) -> (Arc<Switch>, Breaker<Arc<Switch>>) {
         let switch = Arc::new(Switch::default());
         let config = BreakerConfig {
-            failures_to_open: 3,
+            failures_to_open,
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_millis(200),
         };
-        let breaker = Breaker::new(switch.clone(), config, Arc::new(Metrics::new(0.8, 10)));
+        let metrics = Arc::new(Metrics::new(0.8, 10));
+        (switch.clone(), Breaker::new(switch, config, metrics))
+    }
+
+    /// Call and give up after `patience`, as a caller with a deadline does.
+    async fn abandon(breaker: &Breaker<Arc<Switch>>, patience: Duration) {
+        let call = breaker.evaluate(&[], Charging::Atomic);
+        assert!(tokio::time::timeout(patience, call).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn opens_after_k_failures_probes_with_backoff_and_closes_on_success() {
+        let (switch, breaker) = breaker(3);
         let call = || breaker.evaluate(&[], Charging::Atomic);
 
         switch.down.store(true, Ordering::SeqCst);
         for _ in 0..3 {
-            assert_eq!(call().await, Err(BackendError::Timeout));
+            assert_eq!(call().await, Err(down()));
         }
         assert_eq!(call().await, Err(BackendError::CircuitOpen));
         assert_eq!(
@@ -235,11 +418,7 @@ mod tests {
         );
 
         tokio::time::sleep(Duration::from_millis(60)).await;
-        assert_eq!(
-            call().await,
-            Err(BackendError::Timeout),
-            "the probe reaches the backend"
-        );
+        assert_eq!(call().await, Err(down()), "the probe reaches the backend");
         assert_eq!(
             call().await,
             Err(BackendError::CircuitOpen),
@@ -255,5 +434,76 @@ mod tests {
         );
         assert!(call().await.is_ok());
         assert_eq!(switch.calls.load(Ordering::SeqCst), 6);
+    }
+
+    /// Abandoned calls prove nothing about a healthy backend, however many; against a dead
+    /// one, the independent checks they start open the circuit all the same.
+    #[tokio::test]
+    async fn abandoned_calls_count_only_through_an_independent_check() {
+        let (switch, breaker) = breaker(3);
+        switch.hang.store(true, Ordering::SeqCst);
+        for _ in 0..20 {
+            abandon(&breaker, Duration::from_millis(1)).await;
+        }
+        switch.hang.store(false, Ordering::SeqCst);
+        assert!(
+            breaker.evaluate(&[], Charging::Atomic).await.is_ok(),
+            "20 abandoned calls left the circuit closed"
+        );
+
+        switch.hang.store(true, Ordering::SeqCst);
+        switch.down.store(true, Ordering::SeqCst);
+        let give_up = Instant::now() + Duration::from_secs(2);
+        while breaker.core.is_closed() {
+            abandon(&breaker, Duration::from_millis(1)).await;
+            assert!(
+                Instant::now() < give_up,
+                "the checks never opened the circuit"
+            );
+        }
+        let reached = switch.calls.load(Ordering::SeqCst);
+        assert_eq!(
+            breaker.evaluate(&[], Charging::Atomic).await,
+            Err(BackendError::CircuitOpen)
+        );
+        assert_eq!(switch.calls.load(Ordering::SeqCst), reached);
+    }
+
+    /// An abandoned probe gives its turn to the next call instead of holding the circuit
+    /// half-open.
+    #[tokio::test]
+    async fn an_abandoned_probe_lets_the_next_call_probe() {
+        let (switch, breaker) = breaker(1);
+        switch.down.store(true, Ordering::SeqCst);
+        let call = || breaker.evaluate(&[], Charging::Atomic);
+        assert_eq!(call().await, Err(down()));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        switch.down.store(false, Ordering::SeqCst);
+        switch.hang.store(true, Ordering::SeqCst);
+        abandon(&breaker, Duration::from_millis(5)).await;
+        switch.hang.store(false, Ordering::SeqCst);
+        assert!(call().await.is_ok(), "the next call was the probe");
+    }
+
+    /// A timeout met while the process itself could not run (its thread blocked, as on a
+    /// saturated machine) does not count; the same timeout on a process keeping time does.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_timeout_while_this_process_lags_is_not_evidence() {
+        let (switch, breaker) = breaker(1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        switch.stall.store(true, Ordering::SeqCst);
+        let call = || breaker.evaluate(&[], Charging::Atomic);
+        for _ in 0..3 {
+            assert_eq!(call().await, Err(BackendError::Timeout));
+        }
+        switch.stall.store(false, Ordering::SeqCst);
+        switch.slow.store(true, Ordering::SeqCst);
+        assert_eq!(
+            call().await,
+            Err(BackendError::Timeout),
+            "the circuit was still closed"
+        );
+        assert_eq!(call().await, Err(BackendError::CircuitOpen));
+        assert_eq!(switch.calls.load(Ordering::SeqCst), 4);
     }
 }

@@ -14,7 +14,7 @@ pub mod overlimit_cache;
 pub mod redis;
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::algorithm::{Cost, LeaseOp};
 use crate::limit::Limit;
@@ -118,6 +118,23 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether the backend answers now (for health checks).
     fn ready(&self) -> impl Future<Output = bool> + Send;
+}
+
+tokio::task_local! {
+    static CALLER_DEADLINE: Instant;
+}
+
+/// Evaluate with `deadline` as the instant the caller stops waiting for the decision. A
+/// backend that can tell (Redis, on its own clock) then charges nothing for a decision taken
+/// later. A task-local rather than a parameter: only the backend at the bottom of the stack
+/// reads it, the layers in between need not carry it.
+pub async fn until<F: Future>(deadline: Instant, evaluate: F) -> F::Output {
+    CALLER_DEADLINE.scope(deadline, evaluate).await
+}
+
+/// The deadline of the evaluation running in this task, if its caller set one.
+pub fn caller_deadline() -> Option<Instant> {
+    CALLER_DEADLINE.try_with(|deadline| *deadline).ok()
 }
 
 /// Whether the request as a whole is refused, given each hit's role and admission: any

@@ -5,14 +5,19 @@
 //! It can only refuse, never admit, so it cannot let through anything Redis would refuse. A
 //! cached refusal holds only for the same limit (a reload or a request override that changes
 //! the limit bypasses it: a raised override is honoured at once) and for hits costing at least
-//! as much as the refused one; reads (cost 0) always go to the backend. When a request has
-//! other hits, they are still asked of the backend, read-only if the cached refusal already
-//! refuses the request, so every status carries real figures.
+//! as much as the refused one; reads (cost 0) always go to the backend.
+//!
+//! A cached refusal refuses its request, so the request is answered at once, even while the
+//! backend is failing: a certain refusal must not turn into an error (which Envoy usually
+//! lets through). Its other hits are not asked (a refused request charges nothing, so they
+//! are reported untouched: admitted, nothing known spent), except what must reach the backend
+//! whatever the verdict: leases given back, and under per-descriptor charging the other hits'
+//! charges. If that call fails, the refusal still stands.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{Backend, BackendError, Charging, Hit, Outcome, Role};
 use crate::limit::{Algorithm, Limit};
@@ -39,6 +44,16 @@ pub struct OverLimitCache<B> {
 /// whose leases can come back at any moment.
 fn cacheable(hit: &Hit) -> bool {
     hit.role == Role::Enforce && hit.hits > 0 && hit.limit.algorithm != Algorithm::Concurrency
+}
+
+/// A hit of a refused request that the backend was not asked about: it charged nothing, and
+/// nothing is known to be spent.
+fn untouched(hit: &Hit) -> Outcome {
+    Outcome {
+        admitted: true,
+        remaining: hit.limit.requests_per_unit,
+        reset_after: Duration::ZERO,
+    }
 }
 
 impl<B: Backend> OverLimitCache<B> {
@@ -118,41 +133,141 @@ impl<B: Backend> Backend for OverLimitCache<B> {
         self.metrics
             .local_cache_hits
             .increment(cached.iter().flatten().count() as u64);
-        // A cached refusal (always of an enforced hit) refuses the request, so under atomic
-        // charging the rest is only read; under per-descriptor charging it is charged.
-        let read_only = charging == Charging::Atomic;
+        let must_reach = |hit: &Hit| charging == Charging::PerDescriptor || hit.releases();
         let rest: Vec<Hit> = hits
             .iter()
             .zip(&cached)
-            .filter(|(_, c)| c.is_none())
-            .map(|(h, _)| Hit {
-                hits: if read_only { 0 } else { h.hits },
-                ..h.clone()
-            })
+            .filter(|(h, c)| c.is_none() && must_reach(h))
+            .map(|(h, _)| h.clone())
             .collect();
-        let answered = if rest.is_empty() {
-            Vec::new()
-        } else {
-            self.inner.evaluate(&rest, charging).await?
-        };
-        if answered.len() != rest.len() {
-            return Err(BackendError::Unavailable(format!(
-                "backend answered {} outcomes for {} hits",
-                answered.len(),
-                rest.len()
-            )));
+        let mut answered = Vec::new();
+        if !rest.is_empty() {
+            match self.inner.evaluate(&rest, charging).await {
+                Ok(outcomes) if outcomes.len() == rest.len() => answered = outcomes,
+                Ok(outcomes) => tracing::warn!(
+                    answered = outcomes.len(),
+                    hits = rest.len(),
+                    "the backend answered a wrong number of outcomes"
+                ),
+                Err(error) => {
+                    tracing::debug!(%error, "backend failed; a cached refusal answers anyway");
+                }
+            }
         }
         for (hit, outcome) in rest.iter().zip(&answered) {
             self.remember(hit, outcome, now);
         }
         let mut answered = answered.into_iter();
-        Ok(cached
-            .into_iter()
-            .filter_map(|c| c.or_else(|| answered.next()))
+        Ok(hits
+            .iter()
+            .zip(cached)
+            .map(|(hit, cached)| match cached {
+                Some(refusal) => refusal,
+                None if must_reach(hit) => answered.next().unwrap_or_else(|| untouched(hit)),
+                None => untouched(hit),
+            })
             .collect())
     }
 
     async fn ready(&self) -> bool {
         self.inner.ready().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::LeaseOp;
+    use crate::limit::Unit;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Refuses "hot" for an hour and admits the rest, or fails when `down`; records what it
+    /// was asked.
+    #[derive(Default)]
+    struct Fake {
+        down: AtomicBool,
+        asked: Mutex<Vec<String>>,
+    }
+
+    impl Backend for Arc<Fake> {
+        async fn evaluate(&self, hits: &[Hit], _: Charging) -> Result<Vec<Outcome>, BackendError> {
+            let mut asked = self.asked.lock().unwrap();
+            asked.extend(hits.iter().map(|h| h.key.clone()));
+            if self.down.load(Ordering::SeqCst) {
+                return Err(BackendError::Unavailable("down".into()));
+            }
+            Ok(hits
+                .iter()
+                .map(|h| Outcome {
+                    admitted: h.key != "hot",
+                    remaining: if h.key == "hot" { 0 } else { 5 },
+                    reset_after: Duration::from_secs(3_600),
+                })
+                .collect())
+        }
+
+        async fn ready(&self) -> bool {
+            true
+        }
+    }
+
+    fn hit(key: &str, lease: Option<LeaseOp>) -> Hit {
+        Hit {
+            key: key.into(),
+            limit: Limit::fixed(10, Unit::Hour),
+            hits: 1,
+            role: Role::Enforce,
+            lease: lease.map(|op| (op, "lease-1".into())),
+        }
+    }
+
+    /// A request with a cached refusal is refused whatever the backend does; only what must
+    /// reach the backend whatever the verdict is sent, and its failure changes nothing.
+    #[tokio::test]
+    async fn a_cached_refusal_refuses_at_once_and_sends_only_what_must_be_applied() {
+        let untouched = 10;
+        let from_backend = 5;
+        // charging, the other hit's lease, backend down, other asked, its remaining
+        let rows = [
+            (Charging::Atomic, None, false, false, untouched),
+            (Charging::Atomic, None, true, false, untouched),
+            (
+                Charging::Atomic,
+                Some(LeaseOp::Release),
+                false,
+                true,
+                from_backend,
+            ),
+            (
+                Charging::Atomic,
+                Some(LeaseOp::Release),
+                true,
+                true,
+                untouched,
+            ),
+            (Charging::PerDescriptor, None, false, true, from_backend),
+            (Charging::PerDescriptor, None, true, true, untouched),
+        ];
+        for (charging, lease, down, asked, remaining) in rows {
+            let fake = Arc::new(Fake::default());
+            let cache = OverLimitCache::new(fake.clone(), 100, Arc::new(Metrics::new(0.8, 10)));
+            let hot = hit("hot", None);
+            let first = cache.evaluate(std::slice::from_ref(&hot), charging).await;
+            assert!(!first.unwrap()[0].admitted);
+            fake.asked.lock().unwrap().clear();
+            fake.down.store(down, Ordering::SeqCst);
+
+            let row = format!("{charging:?} lease {lease:?} down {down}");
+            let outcomes = cache
+                .evaluate(&[hit("other", lease), hot], charging)
+                .await
+                .unwrap_or_else(|e| panic!("{row}: {e}"));
+            assert!(!outcomes[1].admitted, "{row}: refused by the cache");
+            assert!(outcomes[0].admitted, "{row}");
+            assert_eq!(outcomes[0].remaining, remaining, "{row}");
+            let sent = fake.asked.lock().unwrap().clone();
+            let expected: Vec<String> = if asked { vec!["other".into()] } else { vec![] };
+            assert_eq!(sent, expected, "{row}: what reached the backend");
+        }
     }
 }

@@ -8,6 +8,7 @@
 //! reservation unrefunded.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use ::redis::cluster_routing::Slot;
 use tokio::task::JoinSet;
@@ -37,6 +38,8 @@ pub(super) struct Job {
     groups: Vec<Vec<usize>>,
     charging: Charging,
     nonce: String,
+    /// When the caller stops waiting: a reservation that would start later takes nothing.
+    deadline: Option<Instant>,
 }
 
 impl Job {
@@ -54,6 +57,14 @@ impl Job {
             groups,
             charging,
             nonce,
+            deadline: None,
+        }
+    }
+
+    pub(super) fn until(self, deadline: Instant) -> Job {
+        Job {
+            deadline: Some(deadline),
+            ..self
         }
     }
 
@@ -79,7 +90,7 @@ impl Job {
             }
             call
         });
-        let replies = self.all(calls.collect()).await;
+        let replies = self.all(calls.collect(), self.deadline).await;
 
         let mut verdicts: Vec<Option<Reply>> = (0..self.hits.len()).map(|_| None).collect();
         for (group, replies) in self.groups.iter().zip(replies) {
@@ -121,7 +132,7 @@ impl Job {
                 }
                 call
             });
-        for result in self.all(calls.collect()).await {
+        for result in self.all(calls.collect(), None).await {
             if let Err(err) = result {
                 tracing::warn!(%err, "refunding a refused request's reservation in Redis failed");
             }
@@ -129,11 +140,20 @@ impl Job {
     }
 
     /// Run calls concurrently; results in the order of `calls`.
-    async fn all(&self, calls: Vec<Call>) -> Vec<Result<Vec<Reply>, BackendError>> {
+    async fn all(
+        &self,
+        calls: Vec<Call>,
+        deadline: Option<Instant>,
+    ) -> Vec<Result<Vec<Reply>, BackendError>> {
         let mut tasks = JoinSet::new();
-        for (n, call) in calls.into_iter().enumerate() {
+        for (n, mut call) in calls.into_iter().enumerate() {
             let shared = Arc::clone(&self.shared);
-            tasks.spawn(async move { (n, shared.run(&call, shared.cleanup_timeout).await) });
+            tasks.spawn(async move {
+                let result = shared
+                    .run(&mut call, shared.cleanup_timeout, deadline)
+                    .await;
+                (n, result)
+            });
         }
         let mut results: Vec<_> = (0..tasks.len())
             .map(|_| Err(BackendError::Unavailable("a Redis call was lost".into())))

@@ -7,6 +7,7 @@
 //! script call; `cluster` reserves them per slot and refunds the reservation when the request
 //! is refused as a whole.
 
+mod clock;
 mod cluster;
 mod connect;
 mod layout;
@@ -15,11 +16,12 @@ mod sentinel;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ::redis::RedisError;
 
-use super::{Backend, BackendError, Charging, Hit, Outcome};
+use super::{Backend, BackendError, Charging, Hit, Outcome, caller_deadline};
+use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
 use script::{Call, Mode, Reply};
@@ -127,6 +129,7 @@ struct Shared {
     cleanup_timeout: Duration,
     key_prefix: String,
     key_layout: KeyLayout,
+    clock: Clock,
 }
 
 impl RedisBackend {
@@ -146,6 +149,7 @@ impl RedisBackend {
                 cleanup_timeout: config.call_timeout + config.connect_timeout,
                 key_prefix: config.key_prefix.clone(),
                 key_layout: config.key_layout,
+                clock: Clock::new(),
             }),
         })
     }
@@ -156,19 +160,52 @@ impl Shared {
         self.key_layout.key(&self.key_prefix, &hit.key, &hit.limit)
     }
 
-    /// Run one script call within `bound`.
-    async fn run(&self, call: &Call, bound: Duration) -> Result<Vec<Reply>, BackendError> {
-        match tokio::time::timeout(bound, script::run(&self.pool, call)).await {
-            Ok(Ok(raw)) => script::replies(raw, call.len()),
-            Ok(Err(err)) => {
-                self.pool.trouble(&err);
-                Err(backend_error(&err))
+    /// Run one script call within `bound`. A decision carries `deadline`, when its caller
+    /// stops waiting: a script that starts later charges nothing, and the call times out.
+    async fn run(
+        &self,
+        call: &mut Call,
+        bound: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Reply>, BackendError> {
+        let give_up = tokio::time::Instant::now() + bound;
+        // A second attempt only when Redis' clock turned out ahead of the estimate.
+        for _ in 0..2 {
+            if let Some(deadline) = deadline {
+                call.set_deadline(self.clock.redis_time(deadline).unwrap_or(0));
             }
-            Err(_) => {
-                self.pool.timed_out();
-                Err(BackendError::Timeout)
+            let sent = Instant::now();
+            let answer = match tokio::time::timeout_at(give_up, script::run(&self.pool, call)).await
+            {
+                Ok(Ok(raw)) => script::decode(raw, call)?,
+                Ok(Err(err)) => {
+                    self.pool.trouble(&err);
+                    return Err(backend_error(&err));
+                }
+                Err(_) => {
+                    self.pool.timed_out();
+                    return Err(BackendError::Timeout);
+                }
+            };
+            if let Some(replies) = answer.replies {
+                self.clock.observe(sent, answer.redis_now);
+                return Ok(replies);
+            }
+            if deadline.is_some_and(|d| Instant::now() < d) {
+                self.clock.restart(sent, answer.redis_now);
+            } else {
+                self.clock.observe(sent, answer.redis_now);
+                return Err(BackendError::Timeout);
             }
         }
+        Err(BackendError::Timeout)
+    }
+
+    /// When the caller of a call starting now stops waiting: the call timeout, or the
+    /// caller's own deadline if sooner.
+    fn deadline(&self) -> Instant {
+        let own = Instant::now() + self.call_timeout;
+        caller_deadline().map_or(own, |caller| caller.min(own))
     }
 }
 
@@ -189,12 +226,14 @@ impl Backend for RedisBackend {
             return Ok(Vec::new());
         }
         let shared = &self.shared;
+        let deadline = shared.deadline();
         let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(h)).collect();
         let nonce = script::nonce();
         if shared.pool.is_cluster() {
             let groups = cluster::group_by_slot(&keys);
             if groups.len() > 1 {
                 let job = cluster::Job::new(shared.clone(), hits, keys, groups, charging, nonce);
+                let job = job.until(deadline);
                 return job.evaluate().await;
             }
         }
@@ -206,7 +245,9 @@ impl Backend for RedisBackend {
         for (key, hit) in keys.into_iter().zip(hits) {
             call.push(key, hit, hit.hits, script::role_letter(hit.role));
         }
-        let replies = shared.run(&call, shared.call_timeout).await?;
+        let replies = shared
+            .run(&mut call, shared.call_timeout, Some(deadline))
+            .await?;
         Ok(replies.into_iter().map(|r| r.outcome).collect())
     }
 

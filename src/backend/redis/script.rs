@@ -79,15 +79,27 @@ pub(super) struct Call {
     keys: Vec<String>,
     args: Vec<String>,
     layout: KeyLayout,
+    mode: Mode,
 }
 
+/// Where the deadline goes in ARGV.
+const DEADLINE_ARG: usize = 2;
+
 impl Call {
+    /// A call without a deadline (see [`Call::set_deadline`]).
     pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout) -> Call {
         Call {
             keys: Vec::new(),
-            args: vec![mode.name().into(), nonce.into()],
+            args: vec![mode.name().into(), nonce.into(), "0".into()],
             layout,
+            mode,
         }
+    }
+
+    /// Past `deadline` (microseconds on Redis' clock; 0: none) the script decides nothing and
+    /// charges nothing.
+    pub(super) fn set_deadline(&mut self, deadline: i64) {
+        self.args[DEADLINE_ARG] = deadline.to_string();
     }
 
     /// Add one hit costing `hits`; `last` is the role letter, or in a refund the stamp the
@@ -142,16 +154,38 @@ pub(super) struct Reply {
     pub(super) stamp: i64,
 }
 
-/// Decode the 4 integers per hit the script replies.
-pub(super) fn replies(raw: Vec<i64>, hits: usize) -> Result<Vec<Reply>, BackendError> {
-    if raw.len() != hits * 4 {
+/// What the script answered to a call.
+pub(super) struct Answer {
+    /// The script's time on Redis' clock, in microseconds.
+    pub(super) redis_now: i64,
+    /// One reply per hit; none for a refund, or for a decision that started past its deadline.
+    pub(super) replies: Option<Vec<Reply>>,
+}
+
+/// Decode the 4 integers per hit the script replies, and the time that ends them.
+pub(super) fn decode(mut raw: Vec<i64>, call: &Call) -> Result<Answer, BackendError> {
+    let redis_now = raw.pop();
+    let expected = if call.mode == Mode::Refund {
+        0
+    } else {
+        call.len() * 4
+    };
+    let (Some(redis_now), true) = (redis_now, raw.is_empty() || raw.len() == expected) else {
         return Err(BackendError::Unavailable(format!(
-            "the Redis script replied {} values for {hits} hits",
-            raw.len()
+            "the Redis script replied {} values for {} hits",
+            raw.len() + usize::from(redis_now.is_some()),
+            call.len()
         )));
-    }
-    Ok(raw
-        .chunks_exact(4)
+    };
+    let late = expected > 0 && raw.is_empty();
+    Ok(Answer {
+        redis_now,
+        replies: (!late).then(|| replies(&raw)),
+    })
+}
+
+fn replies(raw: &[i64]) -> Vec<Reply> {
+    raw.chunks_exact(4)
         .map(|r| Reply {
             outcome: Outcome {
                 admitted: r[0] == 1,
@@ -160,5 +194,5 @@ pub(super) fn replies(raw: Vec<i64>, hits: usize) -> Result<Vec<Reply>, BackendE
             },
             stamp: r[3],
         })
-        .collect())
+        .collect()
 }
