@@ -24,6 +24,7 @@ const SHARDS: usize = 64;
 /// Default cap on live keys.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
+#[derive(Clone)]
 enum KeyState {
     Fixed(fixed_window::State),
     Sliding(sliding_window::State),
@@ -31,9 +32,20 @@ enum KeyState {
     Leases(concurrency::State),
 }
 
+#[derive(Clone)]
 struct Entry {
     state: KeyState,
     expires_at: Micros,
+}
+
+impl Entry {
+    /// An entry that holds nothing yet (the first commit gives it its algorithm's state).
+    fn fresh() -> Entry {
+        Entry {
+            state: KeyState::Fixed(fixed_window::State::default()),
+            expires_at: 0,
+        }
+    }
 }
 
 /// Ties an algorithm to its variant of `KeyState`.
@@ -180,6 +192,12 @@ impl MemoryBackend {
     }
 
     /// Evaluate synchronously: the whole work is a few map operations under locks.
+    ///
+    /// Hits are judged in order, each seeing the charges of the ones before it (a key met
+    /// again in the request is judged on a scratch copy that holds them); then, if the
+    /// request is to be charged, the same charges are made for real. Room for the keys a
+    /// charge would create is made before anything is charged, so a full backend refuses the
+    /// whole request and never leaves part of it charged.
     pub fn evaluate_now(
         &self,
         hits: &[Hit],
@@ -197,22 +215,39 @@ impl MemoryBackend {
             .map(|s| order.partition_point(|i| i < s))
             .collect();
 
-        let verdicts: Vec<Verdict> = hits
-            .iter()
-            .zip(&held)
-            .map(|(h, &g)| check_any(guards[g].get(&h.key), h, now))
-            .collect();
-        let charge = charging == Charging::PerDescriptor
-            || !request_refused(
+        let writes = |h: &Hit, v: &Verdict| h.releases() || (v.admitted && h.hits > 0);
+        let mut scratch: HashMap<&str, Entry> = HashMap::new();
+        let mut verdicts: Vec<Verdict> = Vec::with_capacity(hits.len());
+        for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
+            let stored = scratch.get(h.key.as_str()).or_else(|| guards[g].get(&h.key));
+            let v = check_any(stored, h, now);
+            if writes(h, &v) && hits[i + 1..].iter().any(|later| later.key == h.key) {
+                let shard = &guards[g];
+                let entry = scratch.entry(&h.key).or_insert_with(|| {
+                    shard.get(&h.key).cloned().unwrap_or_else(Entry::fresh)
+                });
+                commit_any(entry, h, now);
+            }
+            verdicts.push(v);
+        }
+        let charge = match charging {
+            Charging::PerDescriptor => true,
+            Charging::Nothing => false,
+            Charging::Atomic => !request_refused(
                 hits.iter()
                     .zip(&verdicts)
                     .map(|(h, v)| (h.role, v.admitted)),
-            );
-
-        for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
-            if h.releases() || (charge && v.admitted && h.hits > 0) {
-                self.charge(&mut guards[g], h, now)?;
-            }
+            ),
+        };
+        let writing: Vec<bool> = hits
+            .iter()
+            .zip(&verdicts)
+            .map(|(h, v)| h.releases() || (charge && writes(h, v)))
+            .collect();
+        self.make_room(&mut guards, hits, &held, &writing, now)?;
+        for ((h, &g), _) in hits.iter().zip(&held).zip(&writing).filter(|(_, w)| **w) {
+            let entry = guards[g].entry(h.key.clone()).or_insert_with(Entry::fresh);
+            commit_any(entry, h, now);
         }
         Ok(verdicts
             .into_iter()
@@ -224,26 +259,40 @@ impl MemoryBackend {
             .collect())
     }
 
-    fn charge(&self, shard: &mut Shard, hit: &Hit, now: Micros) -> Result<(), BackendError> {
-        if let Some(entry) = shard.get_mut(&hit.key) {
-            commit_any(entry, hit, now);
-            return Ok(());
-        }
-        if shard.len() >= self.max_keys_per_shard {
+    /// Make sure every shard can take the new keys the `writing` hits would create, dropping
+    /// expired entries if needed; `Full` when one cannot.
+    fn make_room(
+        &self,
+        guards: &mut [MutexGuard<'_, Shard>],
+        hits: &[Hit],
+        held: &[usize],
+        writing: &[bool],
+        now: Micros,
+    ) -> Result<(), BackendError> {
+        let mut new_keys: Vec<(usize, &str)> = hits
+            .iter()
+            .zip(held)
+            .zip(writing)
+            .filter(|((h, g), w)| {
+                **w && !guards[**g].get(&h.key).is_some_and(|e| e.expires_at > now)
+            })
+            .map(|((h, g), _)| (*g, h.key.as_str()))
+            .collect();
+        new_keys.sort_unstable();
+        new_keys.dedup();
+        for (g, shard) in guards.iter_mut().enumerate() {
+            let adding = new_keys.iter().filter(|(of, _)| *of == g).count();
+            if adding == 0 || shard.len() + adding <= self.max_keys_per_shard {
+                continue;
+            }
             shard.retain(|_, e| e.expires_at > now);
-            if shard.len() >= self.max_keys_per_shard {
+            if shard.len() + adding > self.max_keys_per_shard {
                 return Err(BackendError::Full(format!(
                     "more than {} live keys",
                     self.max_keys_per_shard * SHARDS
                 )));
             }
         }
-        let mut entry = Entry {
-            state: KeyState::Fixed(fixed_window::State::default()),
-            expires_at: 0,
-        };
-        commit_any(&mut entry, hit, now);
-        shard.insert(hit.key.clone(), entry);
         Ok(())
     }
 }

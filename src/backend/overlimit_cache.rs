@@ -6,8 +6,9 @@
 //! cached refusal holds only for the same limit (a reload or a request override that changes
 //! the limit bypasses it: a raised override is honoured at once) and for hits costing at least
 //! as much as the refused one; reads (cost 0) always go to the backend. When a request has
-//! other hits, they are still asked of the backend, read-only if the cached refusal already
-//! refuses the request, so every status carries real figures.
+//! other hits, they are still asked of the backend, charging nothing if the cached refusal
+//! already refuses the request, so every status carries the figures it would without the
+//! cache.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -119,21 +120,23 @@ impl<B: Backend> Backend for OverLimitCache<B> {
             .local_cache_hits
             .increment(cached.iter().flatten().count() as u64);
         // A cached refusal (always of an enforced hit) refuses the request, so under atomic
-        // charging the rest is only read; under per-descriptor charging it is charged.
-        let read_only = charging == Charging::Atomic;
+        // charging the rest is charged nothing; under per-descriptor charging it is charged.
+        // Either way each is judged at its own cost, so its figures are those the backend
+        // gives without the cache (remaining after this hit, as if charged).
+        let rest_charging = match charging {
+            Charging::Atomic => Charging::Nothing,
+            other => other,
+        };
         let rest: Vec<Hit> = hits
             .iter()
             .zip(&cached)
             .filter(|(_, c)| c.is_none())
-            .map(|(h, _)| Hit {
-                hits: if read_only { 0 } else { h.hits },
-                ..h.clone()
-            })
+            .map(|(h, _)| h.clone())
             .collect();
         let answered = if rest.is_empty() {
             Vec::new()
         } else {
-            self.inner.evaluate(&rest, charging).await?
+            self.inner.evaluate(&rest, rest_charging).await?
         };
         if answered.len() != rest.len() {
             return Err(BackendError::Unavailable(format!(

@@ -41,8 +41,8 @@ impl KeyLayout {
 }
 
 /// `<prefix><domain>_<key>_<value>_..._` from an identity `<domain>|<key>=<value>|...`
-/// (see `crate::key`); the script appends the window start. An override's marker and the
-/// algorithm are not part of the reference's key.
+/// (see `crate::key`); the script appends the window start. The algorithm is not part of
+/// the reference's key.
 fn reference_key(prefix: &str, identity: &str) -> String {
     let mut parts = identity.split('|');
     let mut key = String::from(prefix);
@@ -71,7 +71,6 @@ mod tests {
         let identity = limit_key(
             "dom",
             [("key2", "value2"), ("sub", "a=b%")],
-            None,
             &limit,
             None,
         );

@@ -11,7 +11,7 @@ use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 use super::KeyLayout;
 use super::connect::Pool;
 use crate::algorithm::Algorithm;
-use crate::algorithm::LeaseOp;
+use crate::algorithm::{LeaseOp, Micros};
 use crate::algorithm::concurrency::Concurrency;
 use crate::algorithm::fixed_window::FixedWindow;
 use crate::algorithm::sliding_window::SlidingWindow;
@@ -45,6 +45,8 @@ pub(super) enum Mode {
     Atomic,
     /// Charge every admitted hit.
     Each,
+    /// Charge nothing.
+    Check,
     /// Undo an `Each` call with the same nonce.
     Refund,
 }
@@ -54,6 +56,7 @@ impl Mode {
         match self {
             Mode::Atomic => "atomic",
             Mode::Each => "each",
+            Mode::Check => "check",
             Mode::Refund => "refund",
         }
     }
@@ -79,14 +82,18 @@ pub(super) struct Call {
     keys: Vec<String>,
     args: Vec<String>,
     layout: KeyLayout,
+    /// The time to decide at instead of Redis TIME (differential tests only; see
+    /// `RedisBackend::evaluate_at`).
+    at: Option<Micros>,
 }
 
 impl Call {
-    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout) -> Call {
+    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout, at: Option<Micros>) -> Call {
         Call {
             keys: Vec::new(),
             args: vec![mode.name().into(), nonce.into()],
             layout,
+            at,
         }
     }
 
@@ -121,6 +128,9 @@ impl Call {
             .arg(self.keys.len())
             .arg(&self.keys)
             .arg(&self.args);
+        if let Some(at) = self.at {
+            cmd.arg(at);
+        }
         cmd
     }
 }
