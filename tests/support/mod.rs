@@ -3,4 +3,5 @@
 
 pub mod load;
 pub mod redis;
+pub mod reference;
 pub mod turnstile;
