@@ -282,12 +282,7 @@ impl<'a> Plan<'a> {
         shard: Option<Shard>,
         role: Role,
     ) -> usize {
-        let key = limit_key(
-            domain.name(),
-            entries(descriptor, shared),
-            &limit,
-            shard,
-        );
+        let key = limit_key(domain.name(), entries(descriptor, shared), &limit, shard);
         self.hits.push(Hit {
             key,
             limit,

@@ -35,10 +35,17 @@ struct Backends {
 impl Backends {
     /// Every backend's answers to one request at `now`.
     async fn answers(&self, hits: &[Hit], charging: Charging, now: Micros) -> [Vec<Outcome>; 3] {
-        let memory = self.memory.evaluate_now(hits, charging, now).expect("memory");
+        let memory = self
+            .memory
+            .evaluate_now(hits, charging, now)
+            .expect("memory");
         let single = self.single.evaluate_at(hits, charging, now).await;
         let cluster = self.cluster.evaluate_at(hits, charging, now).await;
-        [memory, single.expect("single redis"), cluster.expect("cluster")]
+        [
+            memory,
+            single.expect("single redis"),
+            cluster.expect("cluster"),
+        ]
     }
 }
 

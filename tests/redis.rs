@@ -1129,7 +1129,14 @@ async fn the_reference_answers_where_clients_see_them() {
     let url = server.url();
     let t = Turnstile::start(
         rules.path(),
-        &["--backend", "redis", "--redis-url", &url, "--redis-timeout", "2s"],
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            "2s",
+        ],
     )
     .await;
     support::reference::check(&t).await;

@@ -219,13 +219,15 @@ impl MemoryBackend {
         let mut scratch: HashMap<&str, Entry> = HashMap::new();
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(hits.len());
         for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
-            let stored = scratch.get(h.key.as_str()).or_else(|| guards[g].get(&h.key));
+            let stored = scratch
+                .get(h.key.as_str())
+                .or_else(|| guards[g].get(&h.key));
             let v = check_any(stored, h, now);
             if writes(h, &v) && hits[i + 1..].iter().any(|later| later.key == h.key) {
                 let shard = &guards[g];
-                let entry = scratch.entry(&h.key).or_insert_with(|| {
-                    shard.get(&h.key).cloned().unwrap_or_else(Entry::fresh)
-                });
+                let entry = scratch
+                    .entry(&h.key)
+                    .or_insert_with(|| shard.get(&h.key).cloned().unwrap_or_else(Entry::fresh));
                 commit_any(entry, h, now);
             }
             verdicts.push(v);
@@ -274,7 +276,7 @@ impl MemoryBackend {
             .zip(held)
             .zip(writing)
             .filter(|((h, g), w)| {
-                **w && !guards[**g].get(&h.key).is_some_and(|e| e.expires_at > now)
+                **w && guards[**g].get(&h.key).is_none_or(|e| e.expires_at <= now)
             })
             .map(|((h, g), _)| (*g, h.key.as_str()))
             .collect();
@@ -404,6 +406,33 @@ mod tests {
             assert!(!run(T0 + 1).unwrap()[0].admitted, "{algorithm}");
         }
         assert_eq!(b.sweep(), 0, "all state was of 2023 and has expired");
+    }
+
+    #[test]
+    fn a_full_backend_refuses_the_whole_request_and_charges_none_of_it() {
+        let b = MemoryBackend::new(1); // one key per shard
+        let limit = Limit::fixed(5, Unit::Hour);
+        let shard = b.shard_of("a");
+        let same = (0..)
+            .map(|i| format!("b{i}"))
+            .find(|k| b.shard_of(k) == shard)
+            .unwrap();
+        let other = (0..)
+            .map(|i| format!("c{i}"))
+            .find(|k| b.shard_of(k) != shard)
+            .unwrap();
+        let request = [&other, "a", &same].map(|k| hit(k, limit, Role::Enforce));
+        // Two new keys for a shard with room for one.
+        let full = b.evaluate_now(&request, Charging::PerDescriptor, T0);
+        assert!(matches!(full, Err(BackendError::Full(_))), "{full:?}");
+        for key in [other.as_str(), "a"] {
+            let alone = b.evaluate_now(&[hit(key, limit, Role::Enforce)], Charging::Atomic, T0);
+            assert_eq!(
+                alone.unwrap()[0].remaining,
+                4,
+                "{key} was not charged before"
+            );
+        }
     }
 
     #[test]

@@ -26,6 +26,9 @@ descriptors:
 /// `current_limit`).
 type Status = (Code, u32, Option<&'static str>);
 
+/// A request, the overall code expected and the statuses expected.
+type Step = (RateLimitRequest, Code, Vec<Status>);
+
 fn call(domain: &str, entries: &[(&'static str, &'static str)]) -> RateLimitRequest {
     request(domain, entries.iter().map(|e| descriptor(&[*e])).collect())
 }
@@ -41,7 +44,7 @@ fn overriding(mut r: RateLimitRequest, requests_per_unit: u32) -> RateLimitReque
 }
 
 /// Rows: what they show, then requests in order with the overall code and statuses expected.
-fn rows() -> Vec<(&'static str, Vec<(RateLimitRequest, Code, Vec<Status>)>)> {
+fn rows() -> Vec<(&'static str, Vec<Step>)> {
     use Code::{Ok, OverLimit};
     let named = Some("per-day");
     let unnamed = Some("");
@@ -52,7 +55,11 @@ fn rows() -> Vec<(&'static str, Vec<(RateLimitRequest, Code, Vec<Status>)>)> {
             "the same descriptor twice is judged in order; a refused request charges neither",
             vec![
                 (twice(), Ok, vec![(Ok, 2, named), (Ok, 1, named)]),
-                (twice(), OverLimit, vec![(Ok, 0, named), (OverLimit, 0, named)]),
+                (
+                    twice(),
+                    OverLimit,
+                    vec![(Ok, 0, named), (OverLimit, 0, named)],
+                ),
                 (call("ref", &[("named", "twice")]), Ok, vec![(Ok, 0, named)]),
             ],
         ),
@@ -63,15 +70,27 @@ fn rows() -> Vec<(&'static str, Vec<(RateLimitRequest, Code, Vec<Status>)>)> {
         (
             "an override with the rule's unit counts on the rule's counter",
             vec![
-                (overriding(call("ref", &[("plain", "o")]), 10), Ok, vec![(Ok, 9, unnamed)]),
+                (
+                    overriding(call("ref", &[("plain", "o")]), 10),
+                    Ok,
+                    vec![(Ok, 9, unnamed)],
+                ),
                 (call("ref", &[("plain", "o")]), Ok, vec![(Ok, 1, unnamed)]),
             ],
         ),
         (
             "an override on an unknown domain is ignored",
             vec![
-                (overriding(call("elsewhere", &[("plain", "x")]), 1), Ok, vec![(Ok, 0, None)]),
-                (overriding(call("elsewhere", &[("plain", "x")]), 1), Ok, vec![(Ok, 0, None)]),
+                (
+                    overriding(call("elsewhere", &[("plain", "x")]), 1),
+                    Ok,
+                    vec![(Ok, 0, None)],
+                ),
+                (
+                    overriding(call("elsewhere", &[("plain", "x")]), 1),
+                    Ok,
+                    vec![(Ok, 0, None)],
+                ),
             ],
         ),
         (
@@ -79,8 +98,16 @@ fn rows() -> Vec<(&'static str, Vec<(RateLimitRequest, Code, Vec<Status>)>)> {
              been charged (the over-limit cache, on Redis, answers the third)",
             vec![
                 (both(), Ok, vec![(Ok, 9, unnamed), (Ok, 0, unnamed)]),
-                (both(), OverLimit, vec![(Ok, 8, unnamed), (OverLimit, 0, unnamed)]),
-                (both(), OverLimit, vec![(Ok, 8, unnamed), (OverLimit, 0, unnamed)]),
+                (
+                    both(),
+                    OverLimit,
+                    vec![(Ok, 8, unnamed), (OverLimit, 0, unnamed)],
+                ),
+                (
+                    both(),
+                    OverLimit,
+                    vec![(Ok, 8, unnamed), (OverLimit, 0, unnamed)],
+                ),
                 (call("ref", &[("wide", "r")]), Ok, vec![(Ok, 8, unnamed)]),
             ],
         ),

@@ -68,12 +68,7 @@ mod tests {
     #[test]
     fn the_reference_layout_rebuilds_the_reference_key() {
         let limit = Limit::fixed(10, Unit::Minute);
-        let identity = limit_key(
-            "dom",
-            [("key2", "value2"), ("sub", "a=b%")],
-            &limit,
-            None,
-        );
+        let identity = limit_key("dom", [("key2", "value2"), ("sub", "a=b%")], &limit, None);
         assert_eq!(
             KeyLayout::Reference.key("pre:", &identity, &limit),
             "pre:dom_key2_value2_sub_a=b%_"

@@ -11,11 +11,11 @@ use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 use super::KeyLayout;
 use super::connect::Pool;
 use crate::algorithm::Algorithm;
-use crate::algorithm::{LeaseOp, Micros};
 use crate::algorithm::concurrency::Concurrency;
 use crate::algorithm::fixed_window::FixedWindow;
 use crate::algorithm::sliding_window::SlidingWindow;
 use crate::algorithm::token_bucket::TokenBucket;
+use crate::algorithm::{LeaseOp, Micros};
 use crate::backend::{BackendError, Hit, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
