@@ -7,8 +7,13 @@ local function lease_of(h)
   return op, id
 end
 
--- Put a request's lease back as it was before a charge: `expiry` (0: it held none).
+-- Put a request's lease back as it was before a charge: `expiry` (0: it held none). A lease
+-- given back since (a release later in the same request, or a stream-done call) stays given
+-- back: its request is over.
 local function restore(h, id, expiry)
+  if not redis.call('ZSCORE', h.key, id) then
+    return
+  end
   if expiry > 0 then
     redis.call('ZADD', h.key, expiry, id)
   else
