@@ -973,12 +973,13 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     assert_eq!((raised.admitted, raised.remaining), (true, 3));
     assert_eq!(script_calls(&server), calls + 2);
 
-    // A request that the cache refuses charges nothing on its other hits.
+    // A request that the cache refuses charges nothing on its other hits, which still report
+    // what would remain had they been charged (as without the cache).
     let other = hit("other", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
     let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
     assert_eq!(
         (both[0].admitted, both[0].remaining, both[1].admitted),
-        (true, 10, false)
+        (true, 9, false)
     );
     assert_eq!(
         one(&cache, &other).await.remaining,
