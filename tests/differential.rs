@@ -12,6 +12,7 @@ mod support;
 use std::fmt::Write;
 use std::time::{Duration, Instant};
 
+use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::{LeaseOp, Micros};
 use turnstile::backend::memory::MemoryBackend;
@@ -277,6 +278,89 @@ async fn sequence(backends: &Backends, seed: u64) -> Result<usize, String> {
         last = memory;
     }
     Ok(REQUESTS)
+}
+
+/// Drifts the generated sequences found, kept as rows: requests (hits, charging), then the
+/// answer every backend must give to the last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drifts_once_found_stay_fixed() {
+    let server = RedisServer::start();
+    let cluster = RedisCluster::shared();
+    let backends = backends(&server, &cluster).await;
+    let five = limit(Algorithm::Concurrency, 5, 60, 5);
+    let lease = |key: &str, op, id: &str| Hit {
+        key: key.into(),
+        limit: five,
+        hits: 1,
+        role: Role::Enforce,
+        lease: Some((op, id.into())),
+    };
+    let read = |key: &str| Hit {
+        hits: 0,
+        lease: None,
+        ..lease(key, LeaseOp::Acquire, "")
+    };
+    // A key in another Cluster slot than "lease-*", refusing everything.
+    let never = Hit {
+        key: "never".into(),
+        limit: limit(Algorithm::FixedWindow, 0, 60, 0),
+        hits: 1,
+        role: Role::Enforce,
+        lease: None,
+    };
+    assert_ne!(
+        Slot::for_key("{lease-b}"),
+        Slot::for_key("{never}"),
+        "the refusal must come from another slot, so the Cluster reserves and refunds"
+    );
+    let acquire = |key| lease(key, LeaseOp::Acquire, "r");
+    let release = |key| lease(key, LeaseOp::Release, "r");
+    let rows: Vec<(&str, Vec<(Vec<Hit>, Charging)>, Outcome)> = vec![
+        (
+            // seed 2487400033279472955: undoing the uncharged re-acquire put back the lease
+            // the release in the same request had given back.
+            "a lease given back in an uncharged request stays given back",
+            vec![
+                (vec![acquire("lease-a")], Charging::Atomic),
+                (
+                    vec![acquire("lease-a"), release("lease-a")],
+                    Charging::Nothing,
+                ),
+                (vec![read("lease-a")], Charging::Atomic),
+            ],
+            Outcome {
+                admitted: true,
+                remaining: 5,
+                reset_after: Duration::from_secs(60),
+            },
+        ),
+        (
+            // Found by mutation: the Cluster refund of a refused request removed a lease the
+            // request had held before it.
+            "a refused request refunds a lease it already held by keeping it",
+            vec![
+                (vec![acquire("lease-b")], Charging::Atomic),
+                (vec![acquire("lease-b"), never.clone()], Charging::Atomic),
+                (vec![read("lease-b")], Charging::Atomic),
+            ],
+            Outcome {
+                admitted: true,
+                remaining: 4,
+                reset_after: Duration::from_secs(60),
+            },
+        ),
+    ];
+    let mut now = 1_900_000_000 * SEC;
+    for (what, requests, expected) in rows {
+        let mut answers = Vec::new();
+        for (hits, charging) in &requests {
+            now += 10_000;
+            answers = backends.answers(hits, *charging, now).await.to_vec();
+        }
+        for (backend, answer) in ["memory", "single", "cluster"].iter().zip(&answers) {
+            assert_eq!(answer.as_slice(), [expected], "{what}: {backend}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
