@@ -280,6 +280,9 @@ async fn sequence(backends: &Backends, seed: u64) -> Result<usize, String> {
     Ok(REQUESTS)
 }
 
+/// One request: its hits and how it charges.
+type Request = (Vec<Hit>, Charging);
+
 /// Drifts the generated sequences found, kept as rows: requests (hits, charging), then the
 /// answer every backend must give to the last one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,7 +318,7 @@ async fn drifts_once_found_stay_fixed() {
     );
     let acquire = |key| lease(key, LeaseOp::Acquire, "r");
     let release = |key| lease(key, LeaseOp::Release, "r");
-    let rows: Vec<(&str, Vec<(Vec<Hit>, Charging)>, Outcome)> = vec![
+    let rows: Vec<(&str, Vec<Request>, Outcome)> = vec![
         (
             // seed 2487400033279472955: undoing the uncharged re-acquire put back the lease
             // the release in the same request had given back.
