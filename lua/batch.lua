@@ -4,8 +4,9 @@
 -- nonce, then 7 values per hit: algorithm, limit, window seconds, burst, cost, a lease
 -- ('+<id>' taken, '-<id>' given back, '' none: concurrency limits only), and a last value
 -- that is the role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the stamp the
--- charging call replied. A lease given back always applies: its request is over. A refund passes every hit of the charging call, in the same
--- order (members are named after their index), with cost 0 for the hits that were not charged.
+-- charging call replied. A lease given back always applies: its request is over. A refund
+-- passes every hit of the charging call, in the same order (members are named after their
+-- index), with cost 0 for the hits that were not charged.
 --
 -- After the hits, one optional value: the time to decide at (us since the epoch) instead of
 -- Redis TIME. Only the differential tests pass it (`RedisBackend::evaluate_at`); the server's
