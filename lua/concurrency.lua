@@ -7,15 +7,36 @@ local function lease_of(h)
   return op, id
 end
 
+-- Put a request's lease back as it was before a charge: `expiry` (0: it held none). A lease
+-- given back since (a release later in the same request, or a stream-done call) stays given
+-- back: its request is over.
+local function restore(h, id, expiry)
+  if not redis.call('ZSCORE', h.key, id) then
+    return
+  end
+  if expiry > 0 then
+    redis.call('ZADD', h.key, expiry, id)
+  else
+    redis.call('ZREM', h.key, id)
+  end
+end
+
 ALGORITHMS.concurrency = {
   check = function(h, now)
     redis.call('ZREMRANGEBYSCORE', h.key, '-inf', now)
     local live = redis.call('ZCARD', h.key)
     local window = h.window * 1000000
     local op, id = lease_of(h)
-    local holds = id ~= '' and redis.call('ZSCORE', h.key, id) ~= false
+    local held = id ~= '' and redis.call('ZSCORE', h.key, id)
+    local holds = held ~= false and held ~= nil
+    -- The stamp is the expiry of the lease the request held before (0: none), for a refund.
     local function ok(in_flight)
-      return { admitted = true, remaining = math.max(h.limit - in_flight, 0), reset = window }
+      return {
+        admitted = true,
+        remaining = math.max(h.limit - in_flight, 0),
+        reset = window,
+        stamp = holds and tonumber(held) or 0,
+      }
     end
     if op == '-' then
       return ok(holds and live - 1 or live)
@@ -41,10 +62,17 @@ ALGORITHMS.concurrency = {
     end
   end,
 
+  undo = function(h, now, v)
+    local op, id = lease_of(h)
+    if op == '+' then
+      restore(h, id, v.stamp)
+    end
+  end,
+
   refund = function(h, now)
     local op, id = lease_of(h)
     if op == '+' then
-      redis.call('ZREM', h.key, id)
+      restore(h, id, tonumber(h.stamp))
     end
   end,
 }

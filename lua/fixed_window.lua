@@ -23,6 +23,11 @@ local function fixed_window(separator)
       redis.call('PEXPIRE', v.counter, math.ceil(v.reset / 1000))
     end,
 
+    -- Within the charging call: take the charge back.
+    undo = function(h, now, v)
+      redis.call('DECRBY', v.counter, h.hits)
+    end,
+
     -- h.stamp is the window the charge went to, so a refund never lands in a later window.
     refund = function(h, now)
       local counter = h.key .. separator .. h.stamp

@@ -62,9 +62,12 @@ ALGORITHMS.sliding_window = {
     redis.call('PEXPIRE', h.key .. ':n', ttl)
   end,
 
+  -- The entry is named after the call's nonce and the hit's index, so the charging call
+  -- (undo) and a later refund call remove exactly it.
   refund = function(h, now)
     if redis.call('ZREM', h.key, h.member .. ':' .. h.hits) == 1 then
       redis.call('DECRBY', h.key .. ':n', h.hits)
     end
   end,
 }
+ALGORITHMS.sliding_window.undo = ALGORITHMS.sliding_window.refund

@@ -1,16 +1,17 @@
 //! The identity of one limit's state: which counter, log or bucket a hit lands on.
 //!
 //! Built from the request (domain and the descriptor's entries, as the reference builds its
-//! cache keys), plus what makes two limits different state: a request-supplied override, the
-//! algorithm and the window (so several limits on one descriptor never share state). The
-//! requests-per-unit figure is deliberately left out, so a reload that only changes the
-//! number keeps the count. Separators are percent-encoded where they occur
+//! cache keys), plus what makes two limits different state: the algorithm and the window (so
+//! several limits on one descriptor never share state). The requests-per-unit figure is
+//! deliberately left out, so a reload that only changes the number keeps the count, and a
+//! request's `limit` override of the rule's unit counts on the rule's counter, as in the
+//! reference. Separators are percent-encoded where they occur
 //! in user data, so `a_b=c` and `a=b_c` can never share a counter (a reference quirk), and
 //! so no brace can cut a Redis Cluster hash tag short.
 
 use std::fmt::Write;
 
-use crate::limit::{Limit, Unit};
+use crate::limit::Limit;
 
 /// The characters a key encodes, and their codes. `%` comes last so that decoding in this
 /// order restores it only after every other code is read.
@@ -43,11 +44,10 @@ pub fn unescape(text: &str) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard(pub u32);
 
-/// `<domain>|<key>=<value>|...[|@<override unit>]|<algorithm>:<window seconds>[|#<shard>]`.
+/// `<domain>|<key>=<value>|...|<algorithm>:<window seconds>[|#<shard>]`.
 pub fn limit_key<'a>(
     domain: &str,
     entries: impl IntoIterator<Item = (&'a str, &'a str)>,
-    override_unit: Option<Unit>,
     limit: &Limit,
     shard: Option<Shard>,
 ) -> String {
@@ -59,9 +59,6 @@ pub fn limit_key<'a>(
         key.push('=');
         push_escaped(&mut key, v);
     }
-    if let Some(unit) = override_unit {
-        let _ = write!(key, "|@{}", unit.name());
-    }
     let _ = write!(key, "|{}:{}", limit.algorithm.name(), limit.window);
     if let Some(Shard(shard)) = shard {
         let _ = write!(key, "|#{shard}");
@@ -72,7 +69,7 @@ pub fn limit_key<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::Algorithm;
+    use crate::limit::{Algorithm, Unit};
 
     fn with(algorithm: Algorithm, unit: Unit) -> Limit {
         Limit {
@@ -84,16 +81,15 @@ mod tests {
     #[test]
     fn separators_in_data_cannot_collide_or_open_a_hash_tag() {
         let l = with(Algorithm::FixedWindow, Unit::Minute);
-        let a = limit_key("d", [("a_b", "c")], None, &l, None);
-        let b = limit_key("d", [("a", "b_c")], None, &l, None);
+        let a = limit_key("d", [("a_b", "c")], &l, None);
+        let b = limit_key("d", [("a", "b_c")], &l, None);
         assert_ne!(a, b);
-        let c = limit_key("d", [("a", "b|x=y")], None, &l, None);
-        let d = limit_key("d", [("a", "b"), ("x", "y")], None, &l, None);
+        let c = limit_key("d", [("a", "b|x=y")], &l, None);
+        let d = limit_key("d", [("a", "b"), ("x", "y")], &l, None);
         assert_ne!(c, d);
         let braces = limit_key(
             "d{",
             [("}", "%")],
-            None,
             &with(Algorithm::TokenBucket, Unit::Second),
             None,
         );
@@ -106,19 +102,16 @@ mod tests {
     }
 
     #[test]
-    fn overrides_algorithms_and_windows_are_separate_state_but_numbers_are_not() {
+    fn algorithms_and_windows_are_separate_state_but_numbers_are_not() {
         let entries = [("user", "alice")];
         let minute = with(Algorithm::FixedWindow, Unit::Minute);
-        let plain = limit_key("d", entries, None, &minute, None);
+        let plain = limit_key("d", entries, &minute, None);
         assert_eq!(plain, "d|user=alice|fixed_window:60");
-        let overridden = limit_key("d", entries, Some(Unit::Minute), &minute, None);
-        assert_eq!(overridden, "d|user=alice|@MINUTE|fixed_window:60");
         assert_ne!(
             plain,
             limit_key(
                 "d",
                 entries,
-                None,
                 &with(Algorithm::TokenBucket, Unit::Minute),
                 None,
             )
@@ -128,14 +121,13 @@ mod tests {
             limit_key(
                 "d",
                 entries,
-                None,
                 &with(Algorithm::FixedWindow, Unit::Hour),
                 None,
             )
         );
-        let sharded = limit_key("d", entries, None, &minute, Some(Shard(3)));
+        let sharded = limit_key("d", entries, &minute, Some(Shard(3)));
         assert_eq!(sharded, "d|user=alice|fixed_window:60|#3");
         let raised = Limit::fixed(99, Unit::Minute);
-        assert_eq!(plain, limit_key("d", entries, None, &raised, None));
+        assert_eq!(plain, limit_key("d", entries, &raised, None));
     }
 }

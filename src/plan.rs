@@ -2,8 +2,9 @@
 //!
 //! Every descriptor becomes a `Decision`: no limit, unlimited, or a hit on a limit. Hits go
 //! to the backend in one batch; `replaces` is applied across the whole request first, so a
-//! replaced rule is never counted. Two descriptors that name the same state share one hit
-//! (their costs added), so a request can never race itself.
+//! replaced rule is never counted. Two descriptors that name the same state are two hits, in
+//! request order: the backend judges each seeing the charge of the one before it, as the
+//! reference counts (limit 3: remaining 2, then 1).
 
 use std::collections::HashSet;
 
@@ -19,9 +20,12 @@ use crate::request::{CheckRequest, Descriptor};
 /// The rule (or request override) that governs a descriptor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Applied<'a> {
-    /// `current_limit.name` in the answer: the rule's `name`, else its descriptor path (so
-    /// every answer says which rule decided), or "override" for a request-supplied limit.
+    /// `current_limit.name` in the answer: the rule's YAML `name`, or empty, as the reference
+    /// answers (Envoy copies it into the client-visible `X-RateLimit-Limit`).
     pub name: &'a str,
+    /// Which rule decided, for the private places (dynamic metadata, logs): the rule's `name`,
+    /// else its descriptor path, or "override" for a request-supplied limit.
+    pub rule: &'a str,
     /// The stats key its counters are filed under.
     pub stats_key: StatsKey<'a>,
     pub role: Role,
@@ -29,7 +33,7 @@ pub struct Applied<'a> {
     pub hit: usize,
     /// Hits of the rule's further limits (a `rate_limit` list), all enforced with `hit`.
     pub also: Vec<usize>,
-    /// This descriptor's own cost (a shared hit carries the sum).
+    /// This descriptor's cost.
     pub cost: u64,
     /// The rule's `metadata`, for the reference's response metadata.
     pub metadata: Option<&'a serde_json::Value>,
@@ -206,7 +210,7 @@ impl<'a> Plan<'a> {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 let stats_key =
                     StatsKey::Request(detailed_stats_key(domain.name(), descriptor, &[]));
-                let applied = ("override", stats_key, Role::Enforce);
+                let applied = ("", "override", stats_key, Role::Enforce);
                 (limit, &[][..], &[][..], 1, applied)
             }
             (None, None) => return Decision::NoLimit,
@@ -229,17 +233,18 @@ impl<'a> Plan<'a> {
                 } else {
                     Role::Enforce
                 };
-                let name = rule.name.as_deref().unwrap_or(&rule.full_key);
+                let name = rule.name.as_deref().unwrap_or_default();
+                let attribution = rule.name.as_deref().unwrap_or(&rule.full_key);
                 (
                     limit,
                     rule.also.as_slice(),
                     rule.shared.as_slice(),
                     rule.shards,
-                    (name, stats_key, role),
+                    (name, attribution, stats_key, role),
                 )
             }
         };
-        let (name, stats_key, role) = applied;
+        let (name, attribution, stats_key, role) = applied;
         // A limit split over shards: this request lands on one of them, at random, and is
         // judged against that shard's share.
         let shard = (shards > 1).then(|| Shard(fastrand::u32(..shards)));
@@ -258,6 +263,7 @@ impl<'a> Plan<'a> {
             .collect();
         Decision::Limited(Applied {
             name,
+            rule: attribution,
             stats_key,
             role,
             hit,
@@ -267,8 +273,7 @@ impl<'a> Plan<'a> {
         })
     }
 
-    /// The index of the hit of `descriptor` on `limit`, shared with an earlier descriptor
-    /// that names the same state.
+    /// The index of the new hit of `descriptor` on `limit`.
     fn hit(
         &mut self,
         domain: &DomainRules,
@@ -278,34 +283,15 @@ impl<'a> Plan<'a> {
         shard: Option<Shard>,
         role: Role,
     ) -> usize {
-        let key = limit_key(
-            domain.name(),
-            entries(descriptor, shared),
-            descriptor.limit_override.map(|o| o.unit),
-            &limit,
-            shard,
-        );
-        let lease = lease(descriptor, &limit);
-        match self
-            .hits
-            .iter()
-            .position(|h| h.key == key && h.lease == lease)
-        {
-            Some(same) => {
-                self.hits[same].hits = self.hits[same].hits.saturating_add(descriptor.hits);
-                same
-            }
-            None => {
-                self.hits.push(Hit {
-                    key,
-                    limit,
-                    hits: descriptor.hits,
-                    role,
-                    lease,
-                });
-                self.hits.len() - 1
-            }
-        }
+        let key = limit_key(domain.name(), entries(descriptor, shared), &limit, shard);
+        self.hits.push(Hit {
+            key,
+            limit,
+            hits: descriptor.hits,
+            role,
+            lease: lease(descriptor, &limit),
+        });
+        self.hits.len() - 1
     }
 }
 

@@ -293,7 +293,7 @@ fn metadata(plan: &Plan<'_>, statuses: &[DescriptorStatus], outcomes: &[Outcome]
     let describe = |decision: &Decision<'_>, status: &DescriptorStatus| {
         let mut fields = vec![("outcome", text(outcome_name(decision, outcomes)))];
         if let Decision::Limited(a) = decision {
-            fields.push(("rule", text(a.name)));
+            fields.push(("rule", text(a.rule)));
             let (limit, _) = plan.decisive(a, outcomes);
             fields.push(("algorithm", text(limit.algorithm.name())));
         }

@@ -1185,6 +1185,28 @@ async fn a_redis_url_without_a_backend_type_means_the_redis_backend() {
     assert!(!server.keys("*").is_empty(), "the count lives in Redis");
 }
 
+/// The table tests/core.rs holds the memory backend to, on Redis with its over-limit cache.
+#[tokio::test]
+async fn the_reference_answers_where_clients_see_them() {
+    use support::turnstile::{Rules, Turnstile};
+    let server = RedisServer::start();
+    let rules = Rules::new(support::reference::RULES);
+    let url = server.url();
+    let t = Turnstile::start(
+        rules.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            "2s",
+        ],
+    )
+    .await;
+    support::reference::check(&t).await;
+}
+
 #[tokio::test]
 async fn a_unix_socket_url_reaches_redis() {
     let dir = tempfile::tempdir().unwrap();

@@ -29,6 +29,19 @@ impl State {
             .skip_while(move |(at, _)| *at <= horizon)
     }
 
+    /// Sum of the live costs: the running total less the entries that have left the window,
+    /// as the Lua twin keeps its `:n` sum, so a check reads only the expired head of the log.
+    fn live_total(&self, limit: &Limit, now: Micros) -> u64 {
+        let horizon = now.saturating_sub(window_micros(limit));
+        let expired: u64 = self
+            .entries
+            .iter()
+            .take_while(|(at, _)| *at <= horizon)
+            .map(|(_, cost)| cost)
+            .sum();
+        self.total - expired
+    }
+
     fn trim(&mut self, limit: &Limit, now: Micros) {
         let horizon = now.saturating_sub(window_micros(limit));
         while let Some(&(at, cost)) = self.entries.front() {
@@ -49,7 +62,7 @@ impl Algorithm for SlidingWindow {
         let hits = cost.units;
         let window = window_micros(limit);
         let limit_units = u64::from(limit.requests_per_unit);
-        let live_total: u64 = state.live(limit, now).map(|(_, cost)| cost).sum();
+        let live_total = state.live_total(limit, now);
         let after = live_total.saturating_add(hits);
         if after <= limit_units {
             let newest = if hits > 0 {

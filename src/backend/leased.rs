@@ -109,7 +109,8 @@ impl<B: Backend> Backend for Leased<B> {
         hits: &[Hit],
         charging: Charging,
     ) -> Result<Vec<Outcome>, BackendError> {
-        let Some(hit) = leasable(hits) else {
+        // A call that charges nothing must not take units for a pool.
+        let Some(hit) = leasable(hits).filter(|_| charging != Charging::Nothing) else {
             return self.inner.evaluate(hits, charging).await;
         };
         let now = Instant::now();

@@ -37,6 +37,7 @@ fn entry_bytes(key: &str) -> usize {
     key.len() + ENTRY_OVERHEAD
 }
 
+#[derive(Clone)]
 enum KeyState {
     Fixed(fixed_window::State),
     Sliding(sliding_window::State),
@@ -44,9 +45,20 @@ enum KeyState {
     Leases(concurrency::State),
 }
 
+#[derive(Clone)]
 struct Entry {
     state: KeyState,
     expires_at: Micros,
+}
+
+impl Entry {
+    /// An entry that holds nothing yet (the first commit gives it its algorithm's state).
+    fn fresh() -> Entry {
+        Entry {
+            state: KeyState::Fixed(fixed_window::State::default()),
+            expires_at: 0,
+        }
+    }
 }
 
 /// Ties an algorithm to its variant of `KeyState`.
@@ -92,6 +104,15 @@ struct Shard {
 impl Shard {
     fn get(&self, key: &str) -> Option<&Entry> {
         self.entries.get(key)
+    }
+
+    /// The entry for `key`, created fresh (and accounted) if absent.
+    fn entry(&mut self, key: &str) -> &mut Entry {
+        if !self.entries.contains_key(key) {
+            self.bytes += entry_bytes(key);
+            self.entries.insert(key.to_owned(), Entry::fresh());
+        }
+        self.entries.get_mut(key).expect("inserted above")
     }
 
     /// Drop expired entries.
@@ -226,6 +247,12 @@ impl MemoryBackend {
     }
 
     /// Evaluate synchronously: the whole work is a few map operations under locks.
+    ///
+    /// Hits are judged in order, each seeing the charges of the ones before it (a key met
+    /// again in the request is judged on a scratch copy that holds them); then, if the
+    /// request is to be charged, the same charges are made for real. Room for the keys a
+    /// charge would create is made before anything is charged, so a full backend refuses the
+    /// whole request and never leaves part of it charged.
     pub fn evaluate_now(
         &self,
         hits: &[Hit],
@@ -243,22 +270,40 @@ impl MemoryBackend {
             .map(|s| order.partition_point(|i| i < s))
             .collect();
 
-        let verdicts: Vec<Verdict> = hits
-            .iter()
-            .zip(&held)
-            .map(|(h, &g)| check_any(guards[g].get(&h.key), h, now))
-            .collect();
-        let charge = charging == Charging::PerDescriptor
-            || !request_refused(
+        let writes = |h: &Hit, v: &Verdict| h.releases() || (v.admitted && h.hits > 0);
+        let mut scratch: HashMap<&str, Entry> = HashMap::new();
+        let mut verdicts: Vec<Verdict> = Vec::with_capacity(hits.len());
+        for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
+            let stored = scratch
+                .get(h.key.as_str())
+                .or_else(|| guards[g].get(&h.key));
+            let v = check_any(stored, h, now);
+            if writes(h, &v) && hits[i + 1..].iter().any(|later| later.key == h.key) {
+                let shard = &guards[g];
+                let entry = scratch
+                    .entry(&h.key)
+                    .or_insert_with(|| shard.get(&h.key).cloned().unwrap_or_else(Entry::fresh));
+                commit_any(entry, h, now);
+            }
+            verdicts.push(v);
+        }
+        let charge = match charging {
+            Charging::PerDescriptor => true,
+            Charging::Nothing => false,
+            Charging::Atomic => !request_refused(
                 hits.iter()
                     .zip(&verdicts)
                     .map(|(h, v)| (h.role, v.admitted)),
-            );
-
-        for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
-            if h.releases() || (charge && v.admitted && h.hits > 0) {
-                self.charge(&mut guards[g], h, now)?;
-            }
+            ),
+        };
+        let writing: Vec<bool> = hits
+            .iter()
+            .zip(&verdicts)
+            .map(|(h, v)| h.releases() || (charge && writes(h, v)))
+            .collect();
+        self.make_room(&mut guards, hits, &held, &writing, now)?;
+        for ((h, &g), _) in hits.iter().zip(&held).zip(&writing).filter(|(_, w)| **w) {
+            commit_any(guards[g].entry(&h.key), h, now);
         }
         Ok(verdicts
             .into_iter()
@@ -270,19 +315,41 @@ impl MemoryBackend {
             .collect())
     }
 
-    fn charge(&self, shard: &mut Shard, hit: &Hit, now: Micros) -> Result<(), BackendError> {
-        if let Some(entry) = shard.entries.get_mut(&hit.key) {
-            commit_any(entry, hit, now);
-            return Ok(());
-        }
-        let bytes = entry_bytes(&hit.key);
-        let full = |shard: &Shard| {
-            shard.entries.len() >= self.max_keys_per_shard
-                || shard.bytes + bytes > self.max_bytes_per_shard
-        };
-        if full(shard) {
+    /// Make sure every shard can take the new keys the `writing` hits would create (in count
+    /// and bytes), dropping expired entries if needed; `Full` when one cannot.
+    fn make_room(
+        &self,
+        guards: &mut [MutexGuard<'_, Shard>],
+        hits: &[Hit],
+        held: &[usize],
+        writing: &[bool],
+        now: Micros,
+    ) -> Result<(), BackendError> {
+        let mut new_keys: Vec<(usize, &str)> = hits
+            .iter()
+            .zip(held)
+            .zip(writing)
+            .filter(|((h, g), w)| {
+                **w && guards[**g].get(&h.key).is_none_or(|e| e.expires_at <= now)
+            })
+            .map(|((h, g), _)| (*g, h.key.as_str()))
+            .collect();
+        new_keys.sort_unstable();
+        new_keys.dedup();
+        for (g, shard) in guards.iter_mut().enumerate() {
+            let (adding, bytes) = new_keys
+                .iter()
+                .filter(|(of, _)| *of == g)
+                .fold((0, 0), |(n, b), (_, key)| (n + 1, b + entry_bytes(key)));
+            let fits = |shard: &Shard| {
+                shard.entries.len() + adding <= self.max_keys_per_shard
+                    && shard.bytes + bytes <= self.max_bytes_per_shard
+            };
+            if adding == 0 || fits(shard) {
+                continue;
+            }
             shard.sweep(now);
-            if full(shard) {
+            if !fits(shard) {
                 return Err(BackendError::Full(format!(
                     "more than {} live keys or {} bytes of them",
                     self.max_keys_per_shard * SHARDS,
@@ -290,13 +357,6 @@ impl MemoryBackend {
                 )));
             }
         }
-        let mut entry = Entry {
-            state: KeyState::Fixed(fixed_window::State::default()),
-            expires_at: 0,
-        };
-        commit_any(&mut entry, hit, now);
-        shard.entries.insert(hit.key.clone(), entry);
-        shard.bytes += bytes;
         Ok(())
     }
 }
@@ -439,6 +499,33 @@ mod tests {
                     98
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_full_backend_refuses_the_whole_request_and_charges_none_of_it() {
+        let b = MemoryBackend::new(1, DEFAULT_MAX_BYTES); // one key per shard
+        let limit = Limit::fixed(5, Unit::Hour);
+        let shard = b.shard_of("a");
+        let same = (0..)
+            .map(|i| format!("b{i}"))
+            .find(|k| b.shard_of(k) == shard)
+            .unwrap();
+        let other = (0..)
+            .map(|i| format!("c{i}"))
+            .find(|k| b.shard_of(k) != shard)
+            .unwrap();
+        let request = [&other, "a", &same].map(|k| hit(k, limit, Role::Enforce));
+        // Two new keys for a shard with room for one.
+        let full = b.evaluate_now(&request, Charging::PerDescriptor, T0);
+        assert!(matches!(full, Err(BackendError::Full(_))), "{full:?}");
+        for key in [other.as_str(), "a"] {
+            let alone = b.evaluate_now(&[hit(key, limit, Role::Enforce)], Charging::Atomic, T0);
+            assert_eq!(
+                alone.unwrap()[0].remaining,
+                4,
+                "{key} was not charged before"
+            );
         }
     }
 

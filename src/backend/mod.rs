@@ -65,6 +65,9 @@ pub enum Charging {
     Atomic,
     /// Each admitted hit is charged whatever the others say, as the reference does.
     PerDescriptor,
+    /// None: the request is already refused elsewhere (a cached refusal). The hits are still
+    /// evaluated, for their figures.
+    Nothing,
 }
 
 /// The verdict on one hit.

@@ -115,6 +115,19 @@ impl<B: Backend> OverLimitCache<B> {
     }
 }
 
+impl<B: Backend> OverLimitCache<B> {
+    /// Remember the refusals of one request's answer. A hit whose key came earlier in the
+    /// request was judged after that earlier hit's charge, which a refused request does not
+    /// make: its refusal says nothing about the key alone.
+    fn remember_all(&self, hits: &[Hit], outcomes: &[Outcome], now: Instant) {
+        for (i, (hit, outcome)) in hits.iter().zip(outcomes).enumerate() {
+            if hits[..i].iter().all(|earlier| earlier.key != hit.key) {
+                self.remember(hit, outcome, now);
+            }
+        }
+    }
+}
+
 impl<B: Backend> Backend for OverLimitCache<B> {
     async fn evaluate(
         &self,
@@ -125,9 +138,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
         let cached: Vec<Option<Outcome>> = hits.iter().map(|h| self.cached(h, now)).collect();
         if cached.iter().all(Option::is_none) {
             let outcomes = self.inner.evaluate(hits, charging).await?;
-            for (hit, outcome) in hits.iter().zip(&outcomes) {
-                self.remember(hit, outcome, now);
-            }
+            self.remember_all(hits, &outcomes, now);
             return Ok(outcomes);
         }
         self.metrics
@@ -154,9 +165,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
                 }
             }
         }
-        for (hit, outcome) in rest.iter().zip(&answered) {
-            self.remember(hit, outcome, now);
-        }
+        self.remember_all(&rest, &answered, now);
         let mut answered = answered.into_iter();
         Ok(hits
             .iter()

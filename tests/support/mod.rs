@@ -4,4 +4,5 @@
 pub mod envoy;
 pub mod load;
 pub mod redis;
+pub mod reference;
 pub mod turnstile;

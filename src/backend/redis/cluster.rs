@@ -15,6 +15,7 @@ use tokio::task::JoinSet;
 
 use super::Shared;
 use super::script::{Call, Mode, Reply, role_letter};
+use crate::algorithm::Micros;
 use crate::backend::{BackendError, Charging, Hit, Outcome, request_refused};
 
 /// Indices of the hits, grouped by the slot of their key, in order of first appearance.
@@ -40,6 +41,8 @@ pub(super) struct Job {
     nonce: String,
     /// When the caller stops waiting: a reservation that would start later takes nothing.
     deadline: Option<Instant>,
+    /// The time to decide at, when not Redis TIME (tests only).
+    at: Option<Micros>,
 }
 
 impl Job {
@@ -50,6 +53,7 @@ impl Job {
         groups: Vec<Vec<usize>>,
         charging: Charging,
         nonce: String,
+        at: Option<Micros>,
     ) -> Job {
         Job {
             shared,
@@ -57,6 +61,7 @@ impl Job {
             groups,
             charging,
             nonce,
+            at,
             deadline: None,
         }
     }
@@ -83,7 +88,11 @@ impl Job {
 
     async fn run(self) -> Result<Vec<Outcome>, BackendError> {
         let calls = self.groups.iter().map(|group| {
-            let mut call = Call::new(Mode::Each, &self.nonce, self.shared.key_layout);
+            let mode = match self.charging {
+                Charging::Nothing => Mode::Check,
+                Charging::Atomic | Charging::PerDescriptor => Mode::Each,
+            };
+            let mut call = Call::new(mode, &self.nonce, self.shared.key_layout, self.at);
             for &i in group {
                 let (key, hit) = &self.hits[i];
                 call.push(key.clone(), hit, hit.hits, role_letter(hit.role));
@@ -124,7 +133,8 @@ impl Job {
             .iter()
             .filter(|group| group.iter().any(|&i| charged(i)))
             .map(|group| {
-                let mut call = Call::new(Mode::Refund, &self.nonce, self.shared.key_layout);
+                let mut call =
+                    Call::new(Mode::Refund, &self.nonce, self.shared.key_layout, self.at);
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };

@@ -41,8 +41,8 @@ impl KeyLayout {
 }
 
 /// `<prefix><domain>_<key>_<value>_..._` from an identity `<domain>|<key>=<value>|...`
-/// (see `crate::key`); the script appends the window start. An override's marker and the
-/// algorithm are not part of the reference's key.
+/// (see `crate::key`); the script appends the window start. The algorithm is not part of
+/// the reference's key.
 fn reference_key(prefix: &str, identity: &str) -> String {
     let mut parts = identity.split('|');
     let mut key = String::from(prefix);
@@ -68,13 +68,7 @@ mod tests {
     #[test]
     fn the_reference_layout_rebuilds_the_reference_key() {
         let limit = Limit::fixed(10, Unit::Minute);
-        let identity = limit_key(
-            "dom",
-            [("key2", "value2"), ("sub", "a=b%")],
-            None,
-            &limit,
-            None,
-        );
+        let identity = limit_key("dom", [("key2", "value2"), ("sub", "a=b%")], &limit, None);
         assert_eq!(
             KeyLayout::Reference.key("pre:", &identity, &limit),
             "pre:dom_key2_value2_sub_a=b%_"

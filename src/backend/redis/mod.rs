@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use ::redis::RedisError;
 
 use super::{Backend, BackendError, Charging, Hit, Outcome, caller_deadline};
+use crate::algorithm::Micros;
 use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
@@ -216,11 +217,24 @@ fn backend_error(err: &RedisError) -> BackendError {
     }
 }
 
-impl Backend for RedisBackend {
-    async fn evaluate(
+impl RedisBackend {
+    /// `Backend::evaluate` at the time `now` instead of Redis TIME, so a test can run the
+    /// scripts and the memory backend on one controlled clock. The server never calls it:
+    /// every request goes through `Backend::evaluate`, which always decides on Redis time.
+    pub async fn evaluate_at(
         &self,
         hits: &[Hit],
         charging: Charging,
+        now: Micros,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        self.evaluate_on(hits, charging, Some(now)).await
+    }
+
+    async fn evaluate_on(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+        at: Option<Micros>,
     ) -> Result<Vec<Outcome>, BackendError> {
         if hits.is_empty() {
             return Ok(Vec::new());
@@ -232,7 +246,8 @@ impl Backend for RedisBackend {
         if shared.pool.is_cluster() {
             let groups = cluster::group_by_slot(&keys);
             if groups.len() > 1 {
-                let job = cluster::Job::new(shared.clone(), hits, keys, groups, charging, nonce);
+                let job =
+                    cluster::Job::new(shared.clone(), hits, keys, groups, charging, nonce, at);
                 let job = job.until(deadline);
                 return job.evaluate().await;
             }
@@ -240,8 +255,9 @@ impl Backend for RedisBackend {
         let mode = match charging {
             Charging::Atomic => Mode::Atomic,
             Charging::PerDescriptor => Mode::Each,
+            Charging::Nothing => Mode::Check,
         };
-        let mut call = Call::new(mode, &nonce, shared.key_layout);
+        let mut call = Call::new(mode, &nonce, shared.key_layout, at);
         for (key, hit) in keys.into_iter().zip(hits) {
             call.push(key, hit, hit.hits, script::role_letter(hit.role));
         }
@@ -249,6 +265,16 @@ impl Backend for RedisBackend {
             .run(&mut call, shared.call_timeout, Some(deadline))
             .await?;
         Ok(replies.into_iter().map(|r| r.outcome).collect())
+    }
+}
+
+impl Backend for RedisBackend {
+    async fn evaluate(
+        &self,
+        hits: &[Hit],
+        charging: Charging,
+    ) -> Result<Vec<Outcome>, BackendError> {
+        self.evaluate_on(hits, charging, None).await
     }
 
     async fn ready(&self) -> bool {

@@ -11,11 +11,11 @@ use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 use super::KeyLayout;
 use super::connect::Pool;
 use crate::algorithm::Algorithm;
-use crate::algorithm::LeaseOp;
 use crate::algorithm::concurrency::Concurrency;
 use crate::algorithm::fixed_window::FixedWindow;
 use crate::algorithm::sliding_window::SlidingWindow;
 use crate::algorithm::token_bucket::TokenBucket;
+use crate::algorithm::{LeaseOp, Micros};
 use crate::backend::{BackendError, Hit, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
@@ -45,6 +45,8 @@ pub(super) enum Mode {
     Atomic,
     /// Charge every admitted hit.
     Each,
+    /// Charge nothing.
+    Check,
     /// Undo an `Each` call with the same nonce.
     Refund,
 }
@@ -54,6 +56,7 @@ impl Mode {
         match self {
             Mode::Atomic => "atomic",
             Mode::Each => "each",
+            Mode::Check => "check",
             Mode::Refund => "refund",
         }
     }
@@ -80,19 +83,24 @@ pub(super) struct Call {
     args: Vec<String>,
     layout: KeyLayout,
     mode: Mode,
+    /// The time to decide at instead of Redis TIME (differential tests only; see
+    /// `RedisBackend::evaluate_at`).
+    at: Option<Micros>,
 }
 
 /// Where the deadline goes in ARGV.
 const DEADLINE_ARG: usize = 2;
 
 impl Call {
-    /// A call without a deadline (see [`Call::set_deadline`]).
-    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout) -> Call {
+    /// A call without a deadline (see [`Call::set_deadline`]); `at` is the time to decide at
+    /// instead of Redis TIME (differential tests only; see `RedisBackend::evaluate_at`).
+    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout, at: Option<Micros>) -> Call {
         Call {
             keys: Vec::new(),
             args: vec![mode.name().into(), nonce.into(), "0".into()],
             layout,
             mode,
+            at,
         }
     }
 
@@ -133,6 +141,9 @@ impl Call {
             .arg(self.keys.len())
             .arg(&self.keys)
             .arg(&self.args);
+        if let Some(at) = self.at {
+            cmd.arg(at);
+        }
         cmd
     }
 }
