@@ -452,13 +452,17 @@ fn rss_bytes(pid: u32) -> u64 {
     kib * 1024
 }
 
-/// A flood of the largest descriptors a client may send, every one new and under an override
-/// (a backend key and a request-driven series each): memory stays within the configured
-/// bytes, and configured rules keep their series.
+/// A flood of the largest descriptors a client may send, every one new and under a year-long
+/// override (a backend key and a request-driven series each): memory stays within the
+/// configured bytes, every call is still decided (the full memory backend evicts), and a
+/// victim's new key on a configured rule, used between flood calls, is limited on its count
+/// and keeps its series.
 #[tokio::test]
 async fn request_driven_memory_stays_within_its_byte_bounds() {
     const SERIES_BYTES: u64 = 4 << 20;
     const MEMORY_BYTES: u64 = 8 << 20;
+    const CALLS: usize = 200;
+    const DESCRIPTORS: usize = 64;
     let rules = Rules::new(RULES);
     let (series, memory) = (SERIES_BYTES.to_string(), MEMORY_BYTES.to_string());
     let args = ["--max-series-bytes", &series, "--memory-max-bytes", &memory];
@@ -468,10 +472,9 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
         .unwrap();
     let before = rss_bytes(t.pid());
     let mut client = t.client().await;
-    let (mut answered, mut refused_full) = (0, 0);
-    for call in 0..200 {
-        // 64 descriptors of 4 096 bytes: 256 KiB per call, 51 MiB in all.
-        let descriptors = (0..64)
+    // 64 descriptors of 4 096 bytes: 256 KiB per call, 51 MiB in all.
+    let flood = |call: usize| {
+        let descriptors = (0..DESCRIPTORS)
             .map(|i| {
                 let value = format!("{call}-{i}-{}", "v".repeat(4096));
                 let mut d = descriptor(&[("k", &value[..4095])]);
@@ -482,26 +485,48 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
                 d
             })
             .collect();
-        match client.should_rate_limit(request("test", descriptors)).await {
-            Ok(_) => answered += 1,
-            Err(status) => {
-                assert!(status.message().contains("bytes"), "{status:?}");
-                refused_full += 1;
-            }
+        request("test", descriptors)
+    };
+    let victim = request("test", vec![descriptor(&[("narrow", "victim")])]);
+    // Answers as their code, or the error's.
+    let mut flood_codes = std::collections::BTreeMap::new();
+    let mut victim_codes = Vec::new();
+    for call in 0..CALLS {
+        let answer = client.should_rate_limit(flood(call)).await;
+        let answer = answer.map(|r| code(r.get_ref())).map_err(|e| e.code());
+        *flood_codes.entry(format!("{answer:?}")).or_insert(0) += 1;
+        // The victim's key is created once the backend is full, then used between floods.
+        if call >= CALLS - 3 {
+            let answer = client.should_rate_limit(victim.clone()).await;
+            victim_codes.push(answer.map(|r| code(r.get_ref())).map_err(|e| e.code()));
         }
     }
     let after = rss_bytes(t.pid());
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    let evictions = t.metric("turnstile_memory_evictions").await.unwrap_or(0.0) as u64;
     println!(
-        "RSS {} MiB -> {} MiB over 200 calls of 256 KiB ({answered} answered, {refused_full} \
-         refused as full); a scrape is {} KiB",
+        "RSS {} MiB -> {} MiB over {CALLS} calls of 256 KiB, {evictions} keys evicted; flood \
+         answers {flood_codes:?}, the victim's {victim_codes:?}; a scrape is {} KiB",
         before >> 20,
         after >> 20,
         metrics.len() >> 10
     );
+    let all_ok = format!("{:?}", Ok::<_, ()>(Code::Ok));
+    assert_eq!(
+        flood_codes.keys().collect::<Vec<_>>(),
+        [&all_ok],
+        "new keys admitted"
+    );
+    assert_eq!(
+        victim_codes,
+        [Ok(Code::Ok), Ok(Code::OverLimit), Ok(Code::OverLimit)],
+        "1 per hour, enforced"
+    );
+    // Each flood key takes more than 4 KiB: at most MEMORY_BYTES / 4 KiB of them fit.
+    let flooded = (CALLS * DESCRIPTORS) as u64;
     assert!(
-        answered > 0 && refused_full > 0,
-        "the memory cap was reached"
+        evictions >= flooded - MEMORY_BYTES / 4096,
+        "{evictions} of {flooded} evicted"
     );
     // The caps account keys and labels with their copies, not the allocator's slack and
     // the buffers of requests in flight: allow twice the caps and a margin.
@@ -516,14 +541,12 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
         "a scrape is bounded too"
     );
     assert!(metrics.contains(r#"domain="_overflow_""#));
-
-    // A configured rule first hit after the flood still gets its own series (a check-only
-    // hit: the memory backend, full of the flood's keys, takes no new key).
-    let mut late = request("test", vec![descriptor(&[("narrow", "late")])]);
-    late.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    t.call(late).await.unwrap();
-    let series = r#"ratelimit_service_rate_limit_total_hits{domain="test",key="narrow"}"#;
-    assert_eq!(t.metric(series).await, Some(0.0));
+    // A configured rule first hit after the flood still gets its own series.
+    let series = |name: &str| {
+        format!(r#"ratelimit_service_rate_limit_{name}{{domain="test",key="narrow"}}"#)
+    };
+    assert_eq!(t.metric(&series("total_hits")).await, Some(3.0));
+    assert_eq!(t.metric(&series("over_limit")).await, Some(2.0));
 }
 
 #[tokio::test]
