@@ -163,14 +163,14 @@ impl Shard {
     /// (the request's own keys fill the shard), the first entry not spared.
     fn victim(&self, spared: impl Fn(&str) -> bool, now: Micros) -> Option<usize> {
         let len = self.entries.len();
+        if len == 0 {
+            return None;
+        }
         // Expired entries rank first (false < true), then the least recently used.
         let rank = |i: usize| {
             let (key, e) = self.entries.get_index(i)?;
             (!spared(key)).then_some(((e.expires_at > now, e.used_at), i))
         };
-        if len == 0 {
-            return None;
-        }
         // Distinct entries spread over the whole map: a random start, then equal strides.
         let (start, stride) = (fastrand::usize(..len), (len / EVICTION_SAMPLES).max(1));
         let sampled = (0..EVICTION_SAMPLES.min(len))
@@ -304,7 +304,8 @@ impl MemoryBackend {
         });
     }
 
-    /// Evaluate synchronously: the whole work is a few map operations under locks.
+    /// Evaluate synchronously: the whole work is a few map operations under locks. It never
+    /// fails: a full shard evicts.
     pub fn evaluate_now(
         &self,
         hits: &[Hit],
@@ -563,7 +564,8 @@ mod tests {
                     answer[0].admitted,
                     "{cap}: a new key is decided on its own limit"
                 );
-                let answer = b.evaluate_now(&[victim.clone()], Charging::Atomic, now + 1);
+                let answer =
+                    b.evaluate_now(std::slice::from_ref(&victim), Charging::Atomic, now + 1);
                 victim_admitted.push(answer.unwrap()[0].admitted);
             }
             let admitted: Vec<usize> = (0..flooded).filter(|&i| victim_admitted[i]).collect();
