@@ -443,7 +443,7 @@ pub struct ServeArgs {
     /// what one backend key or metric series can cost.
     #[arg(long, env = "TURNSTILE_MAX_DESCRIPTOR_BYTES", default_value_t = crate::request::DEFAULT_MAX_DESCRIPTOR_BYTES)]
     pub max_descriptor_bytes: usize,
-    /// Most live keys the memory backend holds.
+    /// Most live keys the memory backend holds; a new key past it evicts one seldom used.
     #[arg(long, env = "TURNSTILE_MEMORY_MAX_KEYS", default_value_t = crate::backend::memory::DEFAULT_MAX_KEYS)]
     pub memory_max_keys: usize,
     /// Most bytes the memory backend's live keys take (keys and per-key state, as counted).

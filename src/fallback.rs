@@ -65,6 +65,12 @@ impl Fallback {
         Fallback { local, local_share }
     }
 
+    /// Count the keys the local state evicts when full in `evictions`.
+    pub fn counting_evictions(self, evictions: metrics::Counter) -> Fallback {
+        let local = self.local.counting_evictions(evictions);
+        Fallback { local, ..self }
+    }
+
     pub fn spawn_sweeper(&self, period: Duration) {
         self.local.spawn_sweeper(period);
     }

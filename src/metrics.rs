@@ -119,6 +119,8 @@ pub struct Metrics {
     backend_errors: Vec<Counter>,
     pub backend_latency: Histogram,
     pub fallback_answers: Counter,
+    /// Keys a full memory backend (the embedded one or `local` fallback's) evicted.
+    pub memory_evictions: Counter,
     pub local_cache_hits: Counter,
     circuit_open: Gauge,
 }
@@ -311,6 +313,7 @@ impl Metrics {
                 &METADATA,
             ),
             fallback_answers: plain("turnstile_backend_fallback_answers"),
+            memory_evictions: plain("turnstile_memory_evictions"),
             local_cache_hits: plain("ratelimit_service_rate_limit_over_limit_with_local_cache"),
             circuit_open: recorder
                 .register_gauge(&Key::from_name("turnstile_backend_circuit_open"), &METADATA),

@@ -247,7 +247,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     match backend {
         BackendKind::Memory => {
-            let backend = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes);
+            let backend = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes)
+                .counting_evictions(metrics.memory_evictions.clone());
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             let backend = Measured::new(backend, metrics.clone());
             run(backend, &args, rules, feed, metrics).await
@@ -282,7 +283,8 @@ async fn run<B: Backend>(
         args.local_share,
         args.memory_max_keys,
         args.memory_max_bytes,
-    );
+    )
+    .counting_evictions(metrics.memory_evictions.clone());
     fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);
     let breaker = BreakerConfig {
         failures_to_open: args.breaker_failures,

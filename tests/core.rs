@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Duration;
 
@@ -462,13 +463,19 @@ fn rss_bytes(pid: u32) -> u64 {
     kib * 1024
 }
 
-/// A flood of the largest descriptors a client may send, every one new and under an override
-/// (a backend key and a request-driven series each): memory stays within the configured
-/// bytes, and configured rules keep their series.
+/// A flood of the largest descriptors a client may send, every one new and under a year-long
+/// override (a backend key and a request-driven series each): memory stays within the
+/// configured bytes, every call is still decided (the full memory backend evicts), and
+/// other clients' new keys on a configured rule, used between flood calls, are limited on
+/// their counts and keep their rule's series.
 #[tokio::test]
 async fn request_driven_memory_stays_within_its_byte_bounds() {
     const SERIES_BYTES: u64 = 4 << 20;
     const MEMORY_BYTES: u64 = 8 << 20;
+    const CALLS: usize = 200;
+    const DESCRIPTORS: usize = 64;
+    const FILLERS: usize = 3_000;
+    const VICTIMS: usize = 32;
     let rules = Rules::new(RULES);
     let (series, memory) = (SERIES_BYTES.to_string(), MEMORY_BYTES.to_string());
     let args = ["--max-series-bytes", &series, "--memory-max-bytes", &memory];
@@ -478,40 +485,81 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
         .unwrap();
     let before = rss_bytes(t.pid());
     let mut client = t.client().await;
-    let (mut answered, mut refused_full) = (0, 0);
-    for call in 0..200 {
-        // 64 descriptors of 4 096 bytes: 256 KiB per call, 51 MiB in all.
-        let descriptors = (0..64)
-            .map(|i| {
-                let value = format!("{call}-{i}-{}", "v".repeat(4096));
-                let mut d = descriptor(&[("k", &value[..4095])]);
-                d.limit = Some(RateLimitOverride {
-                    requests_per_unit: 10,
-                    unit: Unit::Year as i32,
-                });
-                d
-            })
+    let year_long = |value: &str| {
+        let mut d = descriptor(&[("k", value)]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 10,
+            unit: Unit::Year as i32,
+        });
+        d
+    };
+    // 64 descriptors of 4 095 bytes: 256 KiB per call, 51 MiB in all.
+    let flood = |call: usize| {
+        let descriptors = (0..DESCRIPTORS)
+            .map(|i| year_long(&format!("{call}-{i}-{}", "v".repeat(4096))[..4095]))
             .collect();
-        match client.should_rate_limit(request("test", descriptors)).await {
-            Ok(_) => answered += 1,
-            Err(status) => {
-                assert!(status.message().contains("bytes"), "{status:?}");
-                refused_full += 1;
-            }
+        request("test", descriptors)
+    };
+    // Short keys, one a call, to fill the room long ones leave.
+    let filler = |n: usize| request("test", vec![year_long(&format!("s{n}"))]);
+    let victim = |v: usize| {
+        let tenant = format!("tenant-{v:04}.example.com");
+        request("test", vec![descriptor(&[("narrow", &tenant)])])
+    };
+    // Answers by their code, or the error's: the flood's, and the victims' in each round.
+    type Answer = Result<tonic::Response<RateLimitResponse>, tonic::Status>;
+    let tally = |tally: &mut BTreeMap<String, usize>, answer: Answer| {
+        let answer = answer.map(|r| code(r.get_ref())).map_err(|e| e.code());
+        *tally.entry(format!("{answer:?}")).or_insert(0) += 1;
+    };
+    let mut flood_answers = BTreeMap::new();
+    let mut rounds = Vec::new();
+    for call in 0..CALLS {
+        let answer = client.should_rate_limit(flood(call)).await;
+        tally(&mut flood_answers, answer);
+    }
+    for n in 0..FILLERS {
+        tally(
+            &mut flood_answers,
+            client.should_rate_limit(filler(n)).await,
+        );
+    }
+    // The victims' keys are created once the backend is full, then used between floods.
+    for round in 0..3 {
+        let answer = client.should_rate_limit(flood(CALLS + round)).await;
+        tally(&mut flood_answers, answer);
+        let mut answers = BTreeMap::new();
+        for v in 0..VICTIMS {
+            tally(&mut answers, client.should_rate_limit(victim(v)).await);
         }
+        rounds.push(answers);
     }
     let after = rss_bytes(t.pid());
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
+    let evictions = t.metric("turnstile_memory_evictions").await.unwrap_or(0.0) as u64;
     println!(
-        "RSS {} MiB -> {} MiB over 200 calls of 256 KiB ({answered} answered, {refused_full} \
-         refused as full); a scrape is {} KiB",
+        "RSS {} MiB -> {} MiB over {CALLS} calls of 256 KiB and {FILLERS} short ones, {evictions} keys evicted; flood \
+         answers {flood_answers:?}; the {VICTIMS} victims' rounds {rounds:?}; a scrape is {} KiB",
         before >> 20,
         after >> 20,
         metrics.len() >> 10
     );
+    let all = |code: Code| BTreeMap::from([(format!("{:?}", Ok::<_, ()>(code)), VICTIMS)]);
+    assert_eq!(
+        flood_answers,
+        BTreeMap::from([(format!("{:?}", Ok::<_, ()>(Code::Ok)), CALLS + FILLERS + 3)]),
+        "new keys are admitted"
+    );
+    assert_eq!(
+        rounds,
+        [all(Code::Ok), all(Code::OverLimit), all(Code::OverLimit)],
+        "1 per hour, enforced for every victim"
+    );
+    // A flood key takes more than 4 KiB: at most MEMORY_BYTES / 4 KiB of them fit.
+    let flooded = (CALLS * DESCRIPTORS) as u64;
     assert!(
-        answered > 0 && refused_full > 0,
-        "the memory cap was reached"
+        evictions >= flooded - MEMORY_BYTES / 4096,
+        "{evictions} of {flooded} evicted"
     );
     // The caps account keys and labels with their copies, not the allocator's slack and
     // the buffers of requests in flight: allow twice the caps and a margin.
@@ -526,14 +574,13 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
         "a scrape is bounded too"
     );
     assert!(metrics.contains(r#"domain="_overflow_""#));
-
-    // A configured rule first hit after the flood still gets its own series (a check-only
-    // hit: the memory backend, full of the flood's keys, takes no new key).
-    let mut late = request("test", vec![descriptor(&[("narrow", "late")])]);
-    late.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    t.call(late).await.unwrap();
-    let series = r#"ratelimit_service_rate_limit_total_hits{domain="test",key="narrow"}"#;
-    assert_eq!(t.metric(series).await, Some(0.0));
+    // A configured rule first hit after the flood still gets its own series.
+    let series = |name: &str| {
+        format!(r#"ratelimit_service_rate_limit_{name}{{domain="test",key="narrow"}}"#)
+    };
+    let victims = VICTIMS as f64;
+    assert_eq!(t.metric(&series("total_hits")).await, Some(3.0 * victims));
+    assert_eq!(t.metric(&series("over_limit")).await, Some(2.0 * victims));
 }
 
 #[tokio::test]
