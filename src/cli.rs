@@ -239,8 +239,8 @@ pub struct ServeArgs {
     /// ones are closed at accept.
     #[arg(long, env = "TURNSTILE_HTTP_MAX_CONNECTIONS", default_value_t = 64)]
     pub http_max_connections: usize,
-    /// Bound on reading a request's headers (and on an idle keep-alive connection), and
-    /// separately on reading its body and answering it.
+    /// Bound on reading a request's headers (and on an idle keep-alive connection), on
+    /// reading its body and answering it, and on a write making no progress.
     #[arg(long, env = "TURNSTILE_HTTP_READ_TIMEOUT", value_parser = duration, default_value = "10s")]
     pub http_read_timeout: Duration,
 

@@ -6,9 +6,11 @@
 //! connections (the excess is closed at accept and counted), the caps of all ports together
 //! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
 //! TLS and send the HTTP/2 preface within a timeout before tonic sees it; once served, HTTP/2
-//! keepalive pings find dead peers (`server`), and on the admin ports hyper's header-read
-//! timeout closes silent ones (`admin`).
+//! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
+//! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
+//! peer that stopped reading) closes the connection.
 
+use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -21,6 +23,7 @@ use metrics::Gauge;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
@@ -52,6 +55,8 @@ pub enum Handshake {
 pub struct Port {
     pub max_connections: usize,
     pub handshake: Handshake,
+    /// Close a connection whose writes make no progress for this long.
+    pub write_stall: Option<Duration>,
     pub metrics: ConnectionMetrics,
 }
 
@@ -120,6 +125,7 @@ async fn accept(listener: TcpListener, port: Arc<Port>, ready: mpsc::Sender<Conn
                         replay,
                         local,
                         remote,
+                        stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
                         _slot: slot,
                     };
                     let _ = ready.send(conn).await;
@@ -210,7 +216,43 @@ pub struct Conn {
     replay: &'static [u8],
     local: Option<SocketAddr>,
     remote: SocketAddr,
+    stall: Option<Stall>,
     _slot: Slot,
+}
+
+/// How long writes may make no progress, and since when they have not.
+struct Stall {
+    limit: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Conn {
+    /// `poll`, a write's outcome, turned into an error once writes have been pending for
+    /// longer than the stall limit.
+    fn bound_stall<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        let Some(stall) = &mut self.stall else {
+            return poll;
+        };
+        if poll.is_ready() {
+            stall.timer = None;
+            return poll;
+        }
+        let limit = stall.limit;
+        let timer = stall
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer stopped reading",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl Connected for Conn {
@@ -246,7 +288,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut *self.io).poll_write(cx, buf)
+        let poll = Pin::new(&mut *self.io).poll_write(cx, buf);
+        self.bound_stall(cx, poll)
     }
 
     fn poll_write_vectored(
@@ -254,7 +297,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut *self.io).poll_write_vectored(cx, bufs)
+        let poll = Pin::new(&mut *self.io).poll_write_vectored(cx, bufs);
+        self.bound_stall(cx, poll)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -262,7 +306,8 @@ impl AsyncWrite for Conn {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.io).poll_flush(cx)
+        let poll = Pin::new(&mut *self.io).poll_flush(cx);
+        self.bound_stall(cx, poll)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

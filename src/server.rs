@@ -310,6 +310,8 @@ async fn run<B: Backend>(
                 tls: tls_acceptor(args)?,
                 timeout: args.grpc_handshake_timeout,
             },
+            // A peer that stops reading stops answering pings too: keepalive closes it.
+            write_stall: None,
             metrics: metrics.connections("grpc"),
         },
     );
@@ -333,6 +335,7 @@ async fn run<B: Backend>(
         let port = Port {
             max_connections: http_cap,
             handshake: Handshake::Http1,
+            write_stall: Some(args.http_read_timeout),
             metrics: metrics.connections(name),
         };
         admin::serve(

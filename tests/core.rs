@@ -1348,6 +1348,45 @@ mod connections {
         assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
     }
 
+    #[tokio::test]
+    async fn an_admin_client_that_stops_reading_is_cut_off() {
+        // /rlconfig of these rules (about 8 MB) is more than the sockets' buffers hold.
+        let value = "v".repeat(900);
+        let mut yaml = String::from("domain: big\ndescriptors:\n");
+        for i in 0..8_000 {
+            yaml += &format!(
+                "  - key: k{i}\n    value: {value}\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+            );
+        }
+        let rules = Rules::new(&yaml);
+        let t = Turnstile::start(rules.path(), &["--http-read-timeout", "1s"]).await;
+        let mut deaf = connect(t.http).await;
+        deaf.write_all(b"GET /rlconfig HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let asked = Instant::now();
+        // Open admin connections: the deaf one and the one asking, until the deaf one is closed.
+        let open = "turnstile_connections_open{listener=\"http\"}";
+        assert_eq!(
+            t.metric(open).await,
+            Some(2.0),
+            "the deaf client's answer is stuck"
+        );
+        while t.metric(open).await != Some(1.0) {
+            assert!(
+                asked.elapsed() < Duration::from_secs(10),
+                "still open after 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            asked.elapsed() >= Duration::from_millis(900),
+            "{:?}",
+            asked.elapsed()
+        );
+        drop(deaf);
+    }
+
     /// User plus system CPU time of process `pid`, from /proc.
     fn cpu_time(pid: u32) -> Duration {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
