@@ -40,7 +40,6 @@ const READY_QUEUE: usize = 64;
 const RESERVED_FILES: usize = 32;
 
 /// How a port's connections begin before they are served.
-#[derive(Clone)]
 pub enum Handshake {
     /// Served at once (the admin ports: hyper bounds how long headers may take).
     Http1,
