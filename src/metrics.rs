@@ -66,8 +66,7 @@ impl MethodMetrics {
 }
 
 /// Connections of one listening port: open now, closed at accept because the port was full,
-/// and closed because they did not finish their handshake in time.
-#[derive(Clone)]
+/// and closed before they were served (no valid TLS handshake or HTTP/2 preface in time).
 pub struct ConnectionMetrics {
     pub open: Gauge,
     pub refused: Counter,
