@@ -1,24 +1,37 @@
 //! The admin HTTP port: `/healthcheck`, `/json`, `/rlconfig` and `/metrics`; and, as the
 //! reference has them, a debug port (`/rlconfig`) and a Prometheus port of their own.
 //!
+//! Each port is served over HTTP/1 from `listener`'s capped accept loop, with a bound on
+//! reading a request's headers (which also closes idle keep-alive connections) and another
+//! on reading its body and answering: a slow or silent client holds a connection slot for a
+//! bounded time only.
+//!
 //! Status codes follow the reference: `/healthcheck` 200 `OK` or 500; `/json` 200 for OK,
 //! 429 for OVER_LIMIT, 400 with the message for a bad body or request, 503 when the backend
 //! failed (see `json::error_status`).
 
+use std::pin::pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 use crate::active::ActiveRules;
 use crate::backend::Backend;
 use crate::health::Health;
 use crate::json;
+use crate::listener::Incoming;
 use crate::metrics::Metrics;
 use crate::service::RateLimiter;
 
@@ -51,6 +64,52 @@ pub fn metrics_router<B: Backend>(admin: Arc<Admin<B>>, path: &str) -> Router {
     Router::new()
         .route(path, get(metrics::<B>))
         .with_state(admin)
+}
+
+/// Serve `router` on the connections of `incoming` until `stop` turns true, then finish the
+/// requests in progress and close.
+pub async fn serve(
+    mut incoming: Incoming,
+    router: Router,
+    read_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let router = router.layer(middleware::from_fn(move |request: Request, next: Next| {
+        bounded(read_timeout, request, next)
+    }));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(read_timeout);
+    let mut connections = JoinSet::new();
+    loop {
+        let conn = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            conn = incoming.next() => conn,
+        };
+        let Some(conn) = conn else { break };
+        let connection =
+            http.serve_connection(TokioIo::new(conn), TowerToHyperService::new(router.clone()));
+        let mut stop = stop.clone();
+        connections.spawn(async move {
+            let mut connection = pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => return,
+                _ = stop.wait_for(|stop| *stop) => {}
+            }
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        });
+    }
+    drop(incoming);
+    while connections.join_next().await.is_some() {}
+}
+
+/// Reading the body and answering within `limit`, or 408.
+async fn bounded(limit: Duration, request: Request, next: Next) -> Response {
+    tokio::time::timeout(limit, next.run(request))
+        .await
+        .unwrap_or_else(|_| (StatusCode::REQUEST_TIMEOUT, "request timed out\n").into_response())
 }
 
 /// The body is the reference's; headers say which rules are in force.

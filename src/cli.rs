@@ -298,6 +298,21 @@ pub struct ServeArgs {
     /// Bound on a whole call, whatever it waits for.
     #[arg(long, env = "TURNSTILE_REQUEST_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub request_timeout: Duration,
+    /// Most open gRPC connections; past it new ones are closed at accept. Lowered at start-up
+    /// when the open-files limit would not hold them all.
+    #[arg(long, env = "TURNSTILE_GRPC_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub grpc_max_connections: usize,
+    /// A gRPC connection that has not finished TLS and sent the HTTP/2 preface by then is
+    /// closed.
+    #[arg(long, env = "TURNSTILE_GRPC_HANDSHAKE_TIMEOUT", value_parser = duration, default_value = "10s")]
+    pub grpc_handshake_timeout: Duration,
+    /// A gRPC connection silent this long is sent an HTTP/2 ping: idle clients that answer
+    /// (Envoy's long-lived connections) stay, dead peers are found.
+    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_INTERVAL", value_parser = duration, default_value = "60s")]
+    pub grpc_keepalive_interval: Duration,
+    /// A connection whose ping is not answered within this is closed.
+    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_TIMEOUT", value_parser = duration, default_value = "20s")]
+    pub grpc_keepalive_timeout: Duration,
 
     /// Admin HTTP listen host.
     #[arg(long, env = "HOST", default_value = "0.0.0.0")]
@@ -308,6 +323,14 @@ pub struct ServeArgs {
     /// Admin HTTP listen address; overrides --http-host and --http-port.
     #[arg(long, env = "TURNSTILE_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
+    /// Most open connections on each admin HTTP port (main, debug, Prometheus); past it new
+    /// ones are closed at accept.
+    #[arg(long, env = "TURNSTILE_HTTP_MAX_CONNECTIONS", default_value_t = 64)]
+    pub http_max_connections: usize,
+    /// Bound on reading a request's headers (and on an idle keep-alive connection), on
+    /// reading its body and answering it, and on a write making no progress.
+    #[arg(long, env = "TURNSTILE_HTTP_READ_TIMEOUT", value_parser = duration, default_value = "10s")]
+    pub http_read_timeout: Duration,
 
     /// Where limit state lives. Default: memory, or redis when a Redis URL is given.
     #[arg(long, env = "BACKEND_TYPE", value_enum, ignore_case = true)]

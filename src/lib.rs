@@ -18,6 +18,7 @@ pub mod json;
 pub mod key;
 pub mod layers;
 pub mod limit;
+pub mod listener;
 pub mod loadgen;
 pub mod metrics;
 pub mod plan;

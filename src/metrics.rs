@@ -101,6 +101,14 @@ impl MethodMetrics {
     }
 }
 
+/// Connections of one listening port: open now, closed at accept because the port was full,
+/// and closed before they were served (no valid TLS handshake or HTTP/2 preface in time).
+pub struct ConnectionMetrics {
+    pub open: Gauge,
+    pub refused: Counter,
+    pub handshake_failed: Counter,
+}
+
 pub struct Metrics {
     /// Prometheus, and statsd when exported.
     recorder: Recorders,
@@ -441,6 +449,23 @@ impl Metrics {
             vec![Label::new("state", state)],
         )
         .increment(1);
+    }
+
+    /// The connection series of one listening port (`grpc`, `http`, `debug`, `prometheus`).
+    pub fn connections(&self, listener: &'static str) -> ConnectionMetrics {
+        let label = || vec![Label::new("listener", listener)];
+        ConnectionMetrics {
+            open: self.recorder.register_gauge(
+                &Key::from_parts("turnstile_connections_open", label()),
+                &METADATA,
+            ),
+            refused: counter(&self.recorder, "turnstile_connections_refused", label()),
+            handshake_failed: counter(
+                &self.recorder,
+                "turnstile_connections_handshake_failed",
+                label(),
+            ),
+        }
     }
 
     pub fn set_circuit_open(&self, open: bool) {

@@ -1,6 +1,7 @@
 //! Start-up and shutdown: load the rules (and watch them), build the backend, serve gRPC
 //! and the admin HTTP port; on SIGTERM/SIGINT report not-serving, stop accepting, and
-//! finish in-flight calls.
+//! finish in-flight calls. Connections are accepted by `listener`, within caps that fit the
+//! open-files limit.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,8 +10,11 @@ use anyhow::Context;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
@@ -28,6 +32,7 @@ use crate::cli::{
 use crate::fallback::{FailurePolicy, Fallback};
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
+use crate::listener::{self, Handshake, Port};
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::request::Bounds;
@@ -325,45 +330,18 @@ async fn run<B: Backend>(
         .await
         .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
     tracing::info!(%grpc_addr, %http_addr, "listening");
-
-    let tls = tls_config(args)?;
-    let (stop, stopped) = watch::channel(false);
-    let until_stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls).context("gRPC TLS")?;
-    }
-    let grpc = builder
-        .timeout(args.request_timeout)
-        .layer(
-            tower::ServiceBuilder::new()
-                .layer(GrpcMetricsLayer::new(metrics.clone()))
-                .load_shed()
-                .concurrency_limit(args.max_in_flight),
-        )
-        .add_service(health_service)
-        .add_service(
-            RateLimitServiceServer::from_arc(limiter.clone())
-                .max_decoding_message_size(args.max_message_bytes),
-        )
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            until_stopped(stopped.clone()),
-        );
     let admin = Arc::new(Admin {
-        limiter,
+        limiter: limiter.clone(),
         rules,
         health: health.clone(),
-        metrics,
+        metrics: metrics.clone(),
     });
     // The main admin port, then the reference's optional ones: debug (/rlconfig) and a
     // Prometheus port of its own.
-    let mut routers = vec![(http_listener, admin::router(admin.clone()))];
+    let mut routers = vec![("http", http_listener, admin::router(admin.clone()))];
     if let Some(addr) = args.debug_addr() {
         match TcpListener::bind(addr).await {
-            Ok(listener) => routers.push((listener, admin::debug_router(admin.clone()))),
+            Ok(listener) => routers.push(("debug", listener, admin::debug_router(admin.clone()))),
             Err(error) => tracing::warn!(%addr, %error, "debug port not opened"),
         }
     }
@@ -373,14 +351,73 @@ async fn run<B: Backend>(
             .await
             .with_context(|| format!("cannot listen for Prometheus on {addr}"))?;
         routers.push((
+            "prometheus",
             listener,
             admin::metrics_router(admin, &args.prometheus_path),
         ));
     }
-    let http = futures_util::future::try_join_all(routers.into_iter().map(|(listener, router)| {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(until_stopped(stopped.clone()))
-            .into_future()
+    let open_files = listener::open_files_limit();
+    let (grpc_cap, http_cap) = listener::fit_caps(
+        open_files,
+        args.grpc_max_connections,
+        args.http_max_connections,
+        routers.len(),
+    );
+    if (grpc_cap, http_cap) != (args.grpc_max_connections, args.http_max_connections) {
+        tracing::warn!(
+            ?open_files,
+            grpc_cap,
+            http_cap,
+            "connection caps lowered to fit the open-files limit"
+        );
+    }
+
+    let (stop, stopped) = watch::channel(false);
+    let until_stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let grpc_incoming = listener::incoming(
+        grpc_listener,
+        Port {
+            max_connections: grpc_cap,
+            handshake: Handshake::Http2 {
+                tls: tls_acceptor(args)?,
+                timeout: args.grpc_handshake_timeout,
+            },
+            // A peer that stops reading stops answering pings too: keepalive closes it.
+            write_stall: None,
+            metrics: metrics.connections("grpc"),
+        },
+    );
+    let grpc = tonic::transport::Server::builder()
+        .timeout(args.request_timeout)
+        .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
+        .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(GrpcMetricsLayer::new(metrics.clone()))
+                .load_shed()
+                .concurrency_limit(args.max_in_flight),
+        )
+        .add_service(health_service)
+        .add_service(
+            RateLimitServiceServer::from_arc(limiter)
+                .max_decoding_message_size(args.max_message_bytes),
+        )
+        .serve_with_incoming_shutdown(grpc_incoming, until_stopped(stopped.clone()));
+    let http = futures_util::future::join_all(routers.into_iter().map(|(name, tcp, router)| {
+        let port = Port {
+            max_connections: http_cap,
+            handshake: Handshake::Http1,
+            write_stall: Some(args.http_read_timeout),
+            metrics: metrics.connections(name),
+        };
+        admin::serve(
+            listener::incoming(tcp, port),
+            router,
+            args.http_read_timeout,
+            stopped.clone(),
+        )
     }));
 
     let signals = async {
@@ -395,10 +432,7 @@ async fn run<B: Backend>(
         tokio::time::sleep(args.shutdown_grace).await;
     };
     tokio::select! {
-        (grpc, http) = async { tokio::join!(grpc, http) } => {
-            grpc.context("gRPC server failed")?;
-            http.context("HTTP server failed")?;
-        }
+        (grpc, _) = async { tokio::join!(grpc, http) } => grpc.context("gRPC server failed")?,
         () = deadline => tracing::warn!(grace = ?args.shutdown_grace, "grace period over; closing open connections"),
     }
     probe.abort();
@@ -407,19 +441,42 @@ async fn run<B: Backend>(
     Ok(())
 }
 
-/// gRPC TLS from the certificate files, with client verification when a CA is given.
-fn tls_config(args: &ServeArgs) -> anyhow::Result<Option<ServerTlsConfig>> {
+/// gRPC TLS from the certificate files, with client verification when a CA is given; HTTP/2
+/// only, as gRPC.
+fn tls_acceptor(args: &ServeArgs) -> anyhow::Result<Option<TlsAcceptor>> {
     let (Some(cert), Some(key)) = (&args.grpc_tls_cert, &args.grpc_tls_key) else {
         if args.grpc_tls {
             anyhow::bail!("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY");
         }
         return Ok(None);
     };
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
-    if let Some(ca) = &args.grpc_client_ca {
-        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    Ok(Some(tls))
+    let chain = CertificateDer::pem_slice_iter(&read(cert)?)
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("no PEM certificate in {}", cert.display()))?;
+    let key = PrivateKeyDer::from_pem_slice(&read(key)?)
+        .with_context(|| format!("no PEM private key in {}", key.display()))?;
+    let config = ServerConfig::builder();
+    let config = match &args.grpc_client_ca {
+        None => config.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(&read(ca)?) {
+                roots
+                    .add(cert.with_context(|| format!("bad PEM in {}", ca.display()))?)
+                    .with_context(|| format!("bad CA certificate in {}", ca.display()))?;
+            }
+            config.with_client_cert_verifier(
+                WebPkiClientVerifier::builder(roots.into())
+                    .build()
+                    .context("client CA")?,
+            )
+        }
+    };
+    let mut config = config
+        .with_single_cert(chain, key)
+        .context("gRPC TLS certificate and key")?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Some(TlsAcceptor::from(Arc::new(config))))
 }
 
 async fn shutdown_signal() {

@@ -1530,3 +1530,422 @@ async fn explain_reads_an_instance_counters_without_charging_them() {
         "{stderr}"
     );
 }
+
+// Connections (issue 12, item 5): a connection that never finishes its handshake, a peer
+// that stops answering, a flood past the cap or past the open-files limit must not hold
+// the service; idle clients that answer pings (Envoy's connections) stay.
+
+mod connections {
+    use std::time::{Duration, Instant};
+
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tonic::transport::Channel;
+
+    use super::{RULES, start};
+    use crate::support::turnstile::{Rules, Turnstile, descriptor, request};
+
+    /// A client's HTTP/2 preface and an empty SETTINGS frame.
+    const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+    /// Send `first`, then `trickle` one byte at a time every 200 ms (if any), reading what
+    /// the server sends: how long until it closed the connection and what it sent, or None
+    /// if it was still open after `limit`.
+    async fn closed_after(
+        stream: TcpStream,
+        first: &[u8],
+        trickle: &[u8],
+        limit: Duration,
+    ) -> Option<(Duration, String)> {
+        let started = Instant::now();
+        let (mut reader, mut writer) = stream.into_split();
+        writer.write_all(first).await.ok()?;
+        let trickle = trickle.to_vec();
+        let writer = tokio::spawn(async move {
+            for byte in trickle.iter().cycle() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if writer.write_all(&[*byte]).await.is_err() {
+                    return;
+                }
+            }
+            std::future::pending::<()>().await
+        });
+        let mut received = Vec::new();
+        let drain = async {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = reader.read(&mut buf).await {
+                received.extend_from_slice(&buf[..n]);
+            }
+        };
+        let closed = tokio::time::timeout(limit, drain).await;
+        writer.abort();
+        closed.ok().map(|()| {
+            (
+                started.elapsed(),
+                String::from_utf8_lossy(&received).into_owned(),
+            )
+        })
+    }
+
+    async fn connect(addr: std::net::SocketAddr) -> TcpStream {
+        TcpStream::connect(addr).await.expect("TCP connect")
+    }
+
+    async fn client(t: &Turnstile) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::new(t.channel().await)
+    }
+
+    /// Whether a call on a new connection is answered within `limit`, trying again while
+    /// connections are refused.
+    async fn new_connection_answers_within(t: &Turnstile, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let endpoint = Channel::from_shared(format!("http://{}", t.grpc)).expect("uri");
+            let connect = tokio::time::timeout(Duration::from_secs(1), endpoint.connect());
+            if let Ok(Ok(channel)) = connect.await
+                && decide(&mut RateLimitServiceClient::new(channel))
+                    .await
+                    .is_ok()
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    }
+
+    async fn decide(client: &mut RateLimitServiceClient<Channel>) -> Result<(), tonic::Status> {
+        let call =
+            client.should_rate_limit(request("test", vec![descriptor(&[("unlimited", "x")])]));
+        match tokio::time::timeout(Duration::from_secs(3), call).await {
+            Ok(answer) => answer.map(drop),
+            Err(_) => Err(tonic::Status::deadline_exceeded("no answer in 3 s")),
+        }
+    }
+
+    #[tokio::test]
+    async fn grpc_connections_without_a_handshake_or_deaf_to_pings_are_closed_live_idle_ones_stay()
+    {
+        let (_rules, t) = start(&[
+            "--grpc-handshake-timeout",
+            "1s",
+            "--grpc-keepalive-interval",
+            "1s",
+            "--grpc-keepalive-timeout",
+            "1s",
+        ])
+        .await;
+        let mut live = client(&t).await;
+        decide(&mut live).await.expect("a first call");
+        // (client, what it sends before going silent, closed no sooner than)
+        let rows: [(&str, &[u8], Duration); 4] = [
+            ("silent TCP", b"", Duration::from_secs(1)),
+            ("half a preface", &H2_PREFACE[..10], Duration::from_secs(1)),
+            (
+                "HTTP/1 on the gRPC port",
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                Duration::ZERO,
+            ),
+            // Pinged after 1 s of silence, closed 1 s later.
+            (
+                "preface, then deaf to pings",
+                H2_PREFACE,
+                Duration::from_secs(2),
+            ),
+        ];
+        let closed = futures_util::future::join_all(rows.iter().map(|(_, first, _)| async {
+            closed_after(connect(t.grpc).await, first, b"", Duration::from_secs(10)).await
+        }))
+        .await;
+        for ((name, _, sooner), closed) in rows.iter().zip(closed) {
+            let (after, _) = closed.unwrap_or_else(|| panic!("{name}: still open after 10 s"));
+            assert!(
+                after >= sooner.mul_f64(0.9),
+                "{name}: closed after {after:?}"
+            );
+        }
+        // The live client has been idle through several keepalive periods: its connection is
+        // the one open gRPC connection, and it answers.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            t.metric("turnstile_connections_open{listener=\"grpc\"}")
+                .await,
+            Some(1.0)
+        );
+        decide(&mut live)
+            .await
+            .expect("the idle client's connection stays");
+        assert_eq!(
+            t.metric("turnstile_connections_handshake_failed{listener=\"grpc\"}")
+                .await,
+            Some(3.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn past_the_connection_cap_new_connections_are_closed_at_accept_open_ones_keep_working() {
+        let (_rules, t) =
+            start(&["--grpc-max-connections", "3", "--http-max-connections", "2"]).await;
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            let mut c = client(&t).await;
+            decide(&mut c).await.expect("a connection within the cap");
+            clients.push(c);
+        }
+        // Closed at once: the handshake timeout (10 s by default) has nothing to do with it.
+        let (after, _) = closed_after(
+            connect(t.grpc).await,
+            H2_PREFACE,
+            b"",
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the connection past the gRPC cap is closed");
+        assert!(after < Duration::from_secs(5));
+        for c in &mut clients {
+            decide(c)
+                .await
+                .expect("connections within the cap keep working");
+        }
+        // The admin port: two idle connections fill it, the third is closed at accept.
+        let held = [connect(t.http).await, connect(t.http).await];
+        closed_after(connect(t.http).await, b"", b"", Duration::from_secs(5))
+            .await
+            .expect("the connection past the HTTP cap is closed");
+        drop(held);
+        // The admin port answers again once the server has seen those close; each attempt
+        // before that is one more refusal.
+        let mut http_refused = 1.0;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t
+            .http_get("/healthcheck")
+            .await
+            .map(|(status, _)| status)
+            .ok()
+            != Some(200)
+        {
+            assert!(Instant::now() < deadline, "the admin port stays full");
+            http_refused += 1.0;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // A slot freed, once the server has seen the close, is taken again at once.
+        clients.pop();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t
+            .metric("turnstile_connections_open{listener=\"grpc\"}")
+            .await
+            != Some(2.0)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the closed connection still counts"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        decide(&mut client(&t).await)
+            .await
+            .expect("a new connection in the freed slot");
+        for (listener, refused) in [("grpc", 1.0), ("http", http_refused)] {
+            let series = format!("turnstile_connections_refused{{listener=\"{listener}\"}}");
+            assert_eq!(t.metric(&series).await, Some(refused), "{series}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_admin_port_cuts_off_slow_and_silent_clients() {
+        let (_rules, t) = start(&["--http-read-timeout", "1s"]).await;
+        // (client, what it sends, then trickles a byte at a time, answer it gets first)
+        let rows: [(&str, &[u8], &[u8], &str); 4] = [
+            ("silent", b"", b"", ""),
+            (
+                "headers that never end",
+                b"GET /healthcheck HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+                b"a",
+                "",
+            ),
+            (
+                "a body that never comes",
+                b"POST /json HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"domain\"",
+                b"",
+                "HTTP/1.1 408",
+            ),
+            (
+                "idle after an answer",
+                b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"",
+                "HTTP/1.1 200",
+            ),
+        ];
+        let closed =
+            futures_util::future::join_all(rows.iter().map(|(_, first, trickle, _)| async {
+                closed_after(
+                    connect(t.http).await,
+                    first,
+                    trickle,
+                    Duration::from_secs(10),
+                )
+                .await
+            }))
+            .await;
+        for ((name, _, _, answer), closed) in rows.iter().zip(closed) {
+            let (after, received) =
+                closed.unwrap_or_else(|| panic!("{name}: still open after 10 s"));
+            assert!(
+                after >= Duration::from_millis(900),
+                "{name}: closed after {after:?}"
+            );
+            assert!(
+                received.starts_with(answer),
+                "{name}: answered {received:?}"
+            );
+        }
+        assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
+    }
+
+    #[tokio::test]
+    async fn an_admin_client_that_stops_reading_is_cut_off() {
+        // /rlconfig of these rules (about 8 MB) is more than the sockets' buffers hold.
+        let value = "v".repeat(900);
+        let mut yaml = String::from("domain: big\ndescriptors:\n");
+        for i in 0..8_000 {
+            yaml += &format!(
+                "  - key: k{i}\n    value: {value}\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+            );
+        }
+        let rules = Rules::new(&yaml);
+        let t = Turnstile::start(rules.path(), &["--http-read-timeout", "1s"]).await;
+        let mut deaf = connect(t.http).await;
+        deaf.write_all(b"GET /rlconfig HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let asked = Instant::now();
+        // Open admin connections: the deaf one and the one asking, until the deaf one is closed.
+        let open = "turnstile_connections_open{listener=\"http\"}";
+        assert_eq!(
+            t.metric(open).await,
+            Some(2.0),
+            "the deaf client's answer is stuck"
+        );
+        while t.metric(open).await != Some(1.0) {
+            assert!(
+                asked.elapsed() < Duration::from_secs(10),
+                "still open after 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            asked.elapsed() >= Duration::from_millis(900),
+            "{:?}",
+            asked.elapsed()
+        );
+        drop(deaf);
+    }
+
+    /// User plus system CPU time of process `pid`, from /proc.
+    fn cpu_time(pid: u32) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+        // The fields after the command name: state is the first, utime the 12th, stime the 13th.
+        let fields: Vec<&str> = stat
+            .rsplit_once(") ")
+            .expect("stat format")
+            .1
+            .split(' ')
+            .collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf only reads a system constant.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        Duration::from_secs_f64(ticks as f64 / per_second)
+    }
+
+    /// CPU time process `pid` uses over three seconds: a few milliseconds when idle, a
+    /// share of a core (even on a busy machine, hundreds of milliseconds) when spinning.
+    async fn cpu_over_three_seconds(pid: u32) -> Duration {
+        let before = cpu_time(pid);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        cpu_time(pid) - before
+    }
+
+    #[tokio::test]
+    async fn accepting_past_the_open_files_limit_backs_off_instead_of_spinning() {
+        let (_rules, t) = start(&[]).await;
+        let mut envoy = client(&t).await;
+        decide(&mut envoy).await.expect("a call before the limit");
+        // Files taken by something else: the limit drops to just above what is open, far
+        // below the connection caps computed at start-up, so accepting fails with EMFILE.
+        let open = std::fs::read_dir(format!("/proc/{}/fd", t.pid()))
+            .unwrap()
+            .count();
+        let limit = format!("--nofile={}", open + 4);
+        let lowered = std::process::Command::new("prlimit")
+            .args(["--pid", &t.pid().to_string(), &limit])
+            .status()
+            .expect("run prlimit");
+        assert!(lowered.success());
+        let mut flood = Vec::new();
+        for _ in 0..40 {
+            flood.push(connect(t.grpc).await);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let used = cpu_over_three_seconds(t.pid()).await;
+        assert!(
+            used < Duration::from_millis(120),
+            "{used:?} of CPU in 3 s: spinning"
+        );
+        decide(&mut envoy)
+            .await
+            .expect("an open connection answers at the limit");
+        drop(flood);
+    }
+
+    #[tokio::test]
+    async fn at_the_open_files_limit_calls_and_health_still_answer_and_nothing_spins() {
+        const OPEN_FILES: usize = 64;
+        let rules = Rules::new(RULES);
+        let limit = format!("--nofile={OPEN_FILES}");
+        let t = Turnstile::start_under(
+            &["prlimit", &limit, "--"],
+            &[
+                "--config",
+                rules.path().to_str().unwrap(),
+                "--grpc-handshake-timeout",
+                "5s",
+            ],
+            &[],
+        )
+        .await;
+        let mut envoy = client(&t).await;
+        decide(&mut envoy).await.expect("a call before the flood");
+        // More idle connections than the process may have files open.
+        let mut flood = Vec::new();
+        for _ in 0..OPEN_FILES + 40 {
+            flood.push(connect(t.grpc).await);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let used = cpu_over_three_seconds(t.pid()).await;
+        assert!(
+            used < Duration::from_millis(120),
+            "{used:?} of CPU in 3 s: spinning"
+        );
+        let started = Instant::now();
+        decide(&mut envoy)
+            .await
+            .expect("an open connection answers during the flood");
+        assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        // A new connection gets a slot once the silent ones have timed out.
+        assert!(
+            new_connection_answers_within(&t, Duration::from_secs(10)).await,
+            "no new connection in 10 s"
+        );
+        let refused = t
+            .metric("turnstile_connections_refused{listener=\"grpc\"}")
+            .await;
+        assert!(refused.unwrap_or(0.0) > 0.0, "refused {refused:?}");
+        drop(flood);
+    }
+}

@@ -69,6 +69,8 @@ pub struct Turnstile {
     pub http: SocketAddr,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// A command the binary runs under, e.g. `prlimit --nofile=64 --`.
+    launcher: Vec<String>,
 }
 
 impl Turnstile {
@@ -82,6 +84,12 @@ impl Turnstile {
 
     /// Start with exactly these `serve` arguments (plus listen addresses) and environment.
     pub async fn start_with(args: &[&str], env: &[(&str, &str)]) -> Turnstile {
+        Turnstile::start_under(&[], args, env).await
+    }
+
+    /// As `start_with`, the binary run by `launcher` (which must exec it, keeping its PID).
+    pub async fn start_under(launcher: &[&str], args: &[&str], env: &[(&str, &str)]) -> Turnstile {
+        let launcher: Vec<String> = launcher.iter().map(|s| s.to_string()).collect();
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let env: Vec<(String, String)> = env
             .iter()
@@ -94,11 +102,12 @@ impl Turnstile {
             let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
             let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
             let mut t = Turnstile {
-                child: spawn(grpc, http, &args, &env),
+                child: spawn(grpc, http, &args, &env, &launcher),
                 grpc,
                 http,
                 args: args.clone(),
                 env: env.clone(),
+                launcher: launcher.clone(),
             };
             match t.wait_healthy().await {
                 Ok(()) => return t,
@@ -164,7 +173,7 @@ impl Turnstile {
     /// SIGKILL and start again on the same ports, with the same arguments.
     pub async fn kill_and_restart(&mut self) {
         self.kill();
-        self.child = spawn(self.grpc, self.http, &self.args, &self.env);
+        self.child = spawn(self.grpc, self.http, &self.args, &self.env, &self.launcher);
         if let Err(status) = self.wait_healthy().await {
             panic!("turnstile exited during its restart: {status}");
         }
@@ -232,8 +241,22 @@ impl Drop for Turnstile {
     }
 }
 
-fn spawn(grpc: SocketAddr, http: SocketAddr, args: &[String], env: &[(String, String)]) -> Child {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+fn spawn(
+    grpc: SocketAddr,
+    http: SocketAddr,
+    args: &[String],
+    env: &[(String, String)],
+    launcher: &[String],
+) -> Child {
+    let binary = env!("CARGO_BIN_EXE_turnstile");
+    let mut command = match launcher.split_first() {
+        Some((program, launcher_args)) => {
+            let mut command = Command::new(program);
+            command.args(launcher_args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    };
     command
         .arg("serve")
         .arg("--grpc-addr")

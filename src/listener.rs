@@ -1,0 +1,397 @@
+//! Accepting connections, for the gRPC and the admin ports alike.
+//!
+//! tonic and axum accept every connection and keep it for as long as the peer likes, and
+//! tonic retries a failing accept at once: at the open-files limit the process spun on
+//! EMFILE and no port answered, not even `/healthcheck`. Here each port has a cap on open
+//! connections (the excess is closed at accept and counted), the caps of all ports together
+//! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
+//! TLS and send the HTTP/2 preface within a timeout before tonic sees it; once served, HTTP/2
+//! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
+//! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
+//! peer that stopped reading) closes the connection.
+
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::Stream;
+use metrics::Gauge;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Sleep;
+use tokio_rustls::TlsAcceptor;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::metrics::ConnectionMetrics;
+
+/// What every HTTP/2 client sends first (RFC 9113 §3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FIRST_BACKOFF: Duration = Duration::from_millis(5);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// Connections past their handshake that wait for the server to take them.
+const READY_QUEUE: usize = 64;
+/// Open files kept for all but client connections: listeners, Redis, statsd, rule files,
+/// the runtime's own (about 16 with the memory backend).
+const RESERVED_FILES: usize = 32;
+
+/// How a port's connections begin before they are served.
+pub enum Handshake {
+    /// Served at once (the admin ports: hyper bounds how long headers may take).
+    Http1,
+    /// TLS when configured, then the HTTP/2 preface, all within `timeout`.
+    Http2 {
+        tls: Option<TlsAcceptor>,
+        timeout: Duration,
+    },
+}
+
+/// One listening port's limits.
+pub struct Port {
+    pub max_connections: usize,
+    pub handshake: Handshake,
+    /// Close a connection whose writes make no progress for this long.
+    pub write_stall: Option<Duration>,
+    pub metrics: ConnectionMetrics,
+}
+
+/// Accept on `listener` in the background, within `port`'s limits; the connections that
+/// finished their handshake come out of the returned stream. Dropping it closes the listener.
+pub fn incoming(listener: TcpListener, port: Port) -> Incoming {
+    let (ready, rx) = mpsc::channel(READY_QUEUE);
+    tokio::spawn(accept(listener, Arc::new(port), ready));
+    Incoming { rx }
+}
+
+pub struct Incoming {
+    rx: mpsc::Receiver<Conn>,
+}
+
+impl Incoming {
+    pub async fn next(&mut self) -> Option<Conn> {
+        self.rx.recv().await
+    }
+}
+
+impl Stream for Incoming {
+    type Item = io::Result<Conn>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|conn| conn.map(Ok))
+    }
+}
+
+async fn accept(listener: TcpListener, port: Arc<Port>, ready: mpsc::Sender<Conn>) {
+    let slots = Arc::new(Semaphore::new(port.max_connections));
+    let local = listener.local_addr().ok();
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let accepted = tokio::select! {
+            () = ready.closed() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, remote) = match accepted {
+            Ok(accepted) => accepted,
+            // The peer left before it was accepted: nothing wrong here.
+            Err(error) if is_peer_error(&error) => continue,
+            // Out of files, buffers or memory: retrying at once would only spin.
+            Err(error) => {
+                tracing::warn!(%error, ?backoff, "cannot accept connections; retrying");
+                tokio::select! {
+                    () = ready.closed() => return,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = FIRST_BACKOFF;
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            port.metrics.refused.increment(1);
+            continue;
+        };
+        let slot = Slot::new(permit, port.metrics.open.clone());
+        let (port, ready) = (port.clone(), ready.clone());
+        tokio::spawn(async move {
+            match port.handshake.run(stream).await {
+                Ok((io, replay)) => {
+                    let conn = Conn {
+                        io,
+                        replay,
+                        local,
+                        remote,
+                        stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
+                        _slot: slot,
+                    };
+                    let _ = ready.send(conn).await;
+                }
+                Err(error) => {
+                    port.metrics.handshake_failed.increment(1);
+                    tracing::debug!(%remote, %error, "connection closed before it was served");
+                }
+            }
+        });
+    }
+}
+
+fn is_peer_error(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    )
+}
+
+impl Handshake {
+    /// The connection ready to serve, and the bytes it already read that the server must see.
+    async fn run(&self, stream: TcpStream) -> io::Result<(Box<dyn Io>, &'static [u8])> {
+        let _ = stream.set_nodelay(true);
+        let Handshake::Http2 { tls, timeout } = self else {
+            return Ok((Box::new(stream), &[]));
+        };
+        let handshake = async {
+            let mut io: Box<dyn Io> = match tls {
+                Some(tls) => Box::new(tls.accept(stream).await?),
+                None => Box::new(stream),
+            };
+            let mut preface = [0; PREFACE.len()];
+            io.read_exact(&mut preface).await?;
+            if preface != *PREFACE {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "not an HTTP/2 preface",
+                ));
+            }
+            Ok((io, &PREFACE[..]))
+        };
+        tokio::time::timeout(*timeout, handshake)
+            .await
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no HTTP/2 preface in time",
+                ))
+            })
+    }
+}
+
+/// A plain or TLS stream.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// Holds one of a port's connection slots while the connection is open.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    open: Gauge,
+}
+
+impl Slot {
+    fn new(permit: OwnedSemaphorePermit, open: Gauge) -> Slot {
+        open.increment(1.0);
+        Slot {
+            _permit: permit,
+            open,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.decrement(1.0);
+    }
+}
+
+/// An accepted connection past its handshake.
+pub struct Conn {
+    io: Box<dyn Io>,
+    /// Read during the handshake, not yet given to the server.
+    replay: &'static [u8],
+    local: Option<SocketAddr>,
+    remote: SocketAddr,
+    stall: Option<Stall>,
+    _slot: Slot,
+}
+
+/// How long writes may make no progress, and since when they have not.
+struct Stall {
+    limit: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Conn {
+    /// `poll`, a write's outcome, turned into an error once writes have been pending for
+    /// longer than the stall limit.
+    fn bound_stall<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        let Some(stall) = &mut self.stall else {
+            return poll;
+        };
+        if poll.is_ready() {
+            stall.timer = None;
+            return poll;
+        }
+        let limit = stall.limit;
+        let timer = stall
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer stopped reading",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Connected for Conn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        TcpConnectInfo {
+            local_addr: self.local,
+            remote_addr: Some(self.remote),
+        }
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.replay.is_empty() {
+            return Pin::new(&mut *self.io).poll_read(cx, buf);
+        }
+        let n = self.replay.len().min(buf.remaining());
+        buf.put_slice(&self.replay[..n]);
+        self.replay = &self.replay[n..];
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut *self.io).poll_write(cx, buf);
+        self.bound_stall(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut *self.io).poll_write_vectored(cx, bufs);
+        self.bound_stall(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut *self.io).poll_flush(cx);
+        self.bound_stall(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.io).poll_shutdown(cx)
+    }
+}
+
+/// The process's open-files limit, after raising its soft limit to the hard one (as Go
+/// programs, the reference among them, do at start-up); None when unlimited.
+pub fn open_files_limit() -> Option<usize> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                ..limit
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    if limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    usize::try_from(limit.rlim_cur).ok()
+}
+
+/// The connection caps of the gRPC port and of each of `http_ports` admin ports: as
+/// configured when they fit `open_files` with room for the rest of the process, else
+/// lowered so that they do, three quarters of the room to gRPC. At the limit an accept fails
+/// on every port, the admin ones included; below it every port keeps answering.
+pub fn fit_caps(
+    open_files: Option<usize>,
+    grpc: usize,
+    http: usize,
+    http_ports: usize,
+) -> (usize, usize) {
+    let Some(open_files) = open_files else {
+        return (grpc, http);
+    };
+    let room = open_files.saturating_sub(RESERVED_FILES).max(2);
+    if grpc.saturating_add(http.saturating_mul(http_ports)) <= room {
+        return (grpc, http);
+    }
+    let http = http.min(room / 4 / http_ports.max(1)).max(1);
+    let grpc = grpc.min(room.saturating_sub(http * http_ports)).max(1);
+    (grpc, http)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_fit_the_open_files_limit() {
+        // (open files, gRPC cap, HTTP cap, HTTP ports) -> (gRPC cap, HTTP cap)
+        let rows = [
+            ((None, 10_000, 64, 3), (10_000, 64)),
+            ((Some(1 << 20), 10_000, 64, 3), (10_000, 64)),
+            (
+                (Some(10_000 + 3 * 64 + RESERVED_FILES), 10_000, 64, 3),
+                (10_000, 64),
+            ),
+            ((Some(1024), 10_000, 64, 2), (864, 64)),
+            ((Some(64), 10_000, 64, 2), (24, 4)),
+            ((Some(64), 10, 64, 2), (10, 4)),
+            ((Some(16), 10_000, 64, 3), (1, 1)),
+        ];
+        for ((files, grpc, http, ports), expected) in rows {
+            let (g, h) = fit_caps(files, grpc, http, ports);
+            assert_eq!((g, h), expected, "{files:?} {grpc} {http} {ports}");
+            if let Some(files) = files.filter(|f| *f > RESERVED_FILES + 4) {
+                assert!(
+                    g + h * ports + RESERVED_FILES <= files,
+                    "{files}: {g} + {h}x{ports}"
+                );
+            }
+        }
+    }
+}
