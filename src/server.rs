@@ -2,10 +2,11 @@
 //! and the admin HTTP port; on SIGTERM/SIGINT report not-serving, stop accepting, and
 //! finish in-flight calls.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -33,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
+use crate::rlqs::{self, MemoryShares, ShareStore};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
 
@@ -182,14 +184,24 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let backend = MemoryBackend::new(args.memory_max_keys);
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             let backend = Measured::new(backend, metrics.clone());
-            run(backend, &args, rules, metrics).await
+            let shares = ShareStore::Memory(MemoryShares::new(args.memory_max_keys));
+            run(backend, shares, &args, rules, metrics).await
         }
         BackendKind::Redis => {
             let config = redis_config(&args)?;
             tracing::info!(?config, "connecting to Redis");
-            let connected = Deferred::connect(move || {
-                let config = config.clone();
-                async move { RedisBackend::connect(&config).await }
+            // RLQS shares live in the same Redis, on the same connections.
+            let redis = Arc::new(OnceLock::new());
+            let connected = Deferred::connect({
+                let redis = redis.clone();
+                move || {
+                    let (config, redis) = (config.clone(), redis.clone());
+                    async move {
+                        let backend = RedisBackend::connect(&config).await?;
+                        let _ = redis.set(backend.clone());
+                        Ok(backend)
+                    }
+                }
             });
             let entries = args
                 .local_cache_size_in_bytes
@@ -197,13 +209,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let measured = Measured::new(connected, metrics.clone());
             let cached = OverLimitCache::new(measured, entries, metrics.clone());
             let backend = Leased::new(cached, MAX_LEASE_POOLS);
-            run(backend, &args, rules, metrics).await
+            run(backend, ShareStore::Redis(redis), &args, rules, metrics).await
         }
     }
 }
 
 async fn run<B: Backend>(
     backend: B,
+    shares: ShareStore,
     args: &ServeArgs,
     rules: RuleSet,
     metrics: Arc<Metrics>,
@@ -218,6 +231,16 @@ async fn run<B: Backend>(
         max_backoff: args.breaker_max_backoff,
         ..BreakerConfig::default()
     };
+    let quota = rlqs::QuotaService::new(
+        rules.clone(),
+        shares,
+        rlqs::Settings {
+            ttl: args.rlqs_ttl,
+            on_backend_error: settings(args).on_backend_error,
+            bounds: settings(args).bounds,
+        },
+        metrics.clone(),
+    );
     let limiter = Arc::new(RateLimiter::new(
         rules.clone(),
         Breaker::new(backend, breaker, metrics.clone()),
@@ -272,6 +295,10 @@ async fn run<B: Backend>(
         .add_service(health_service)
         .add_service(
             RateLimitServiceServer::from_arc(limiter.clone())
+                .max_decoding_message_size(args.max_message_bytes),
+        )
+        .add_service(
+            RateLimitQuotaServiceServer::new(quota)
                 .max_decoding_message_size(args.max_message_bytes),
         )
         .serve_with_incoming_shutdown(

@@ -22,6 +22,7 @@ use ::redis::RedisError;
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use connect::Pool;
 pub use layout::KeyLayout;
+pub use script::Lua;
 use script::{Call, Mode, Reply};
 
 /// How the configured URLs reach the master(s) that hold the state.
@@ -148,6 +149,33 @@ impl RedisBackend {
                 key_layout: config.key_layout,
             }),
         })
+    }
+}
+
+impl RedisBackend {
+    /// Run a script of another module on `<prefix>{<identity>}<suffix>`: a key in the Cluster
+    /// slot of the limit whose state key is `identity`. Bounded by the call timeout.
+    pub async fn eval(
+        &self,
+        lua: &Lua,
+        identity: &str,
+        suffix: &str,
+        args: &[String],
+    ) -> Result<i64, BackendError> {
+        let shared = &self.shared;
+        let key = format!("{}{{{identity}}}{suffix}", shared.key_prefix);
+        let call = script::run_lua(&shared.pool, lua, &key, args);
+        match tokio::time::timeout(shared.call_timeout, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(err)) => {
+                shared.pool.trouble(&err);
+                Err(backend_error(&err))
+            }
+            Err(_) => {
+                shared.pool.timed_out();
+                Err(BackendError::Timeout)
+            }
+        }
     }
 }
 
