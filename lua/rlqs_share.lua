@@ -29,7 +29,7 @@ for i = 1, #fields, 2 do
 end
 
 local own = demand + idle
-local target = math.floor(limit * own / (own + weight))
+local target = math.floor(limit * own / (own + weight) + 1e-9)
 local free = math.max(limit - reserved, 0)
 local share
 if held and held <= math.min(free, target) and target - held <= target * hysteresis then

@@ -90,7 +90,9 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1}
   - key: name
     value: conn
-    rate_limit: {unit: second, requests_per_unit: 5, algorithm: concurrency}
+    descriptors:
+      - key: request
+        rate_limit: {unit: second, requests_per_unit: 5, algorithm: concurrency}
 ";
 
     #[test]
@@ -125,7 +127,7 @@ descriptors:
                 &[("name", "shadow")],
                 Some("Unlimited { stats_key: \"rlqs.name_shadow\" }"),
             ),
-            (&[("name", "conn")], Some("Uncovered")),
+            (&[("request", "r1"), ("name", "conn")], Some("Uncovered")),
             (&[("name", "api")], Some("Uncovered")),
             (&[], None),
             (&[("name", &long)], None),

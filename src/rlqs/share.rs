@@ -26,6 +26,8 @@ pub const IDLE_WEIGHT: f64 = 0.05;
 /// settles on its low side.
 pub const HYSTERESIS: f64 = 0.1;
 
+const EPSILON: f64 = 1e-9;
+
 /// What the other Envoys reporting a bucket hold.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Others {
@@ -39,7 +41,8 @@ pub struct Others {
 /// window), given the others and the share it holds now, if any.
 pub fn assign(limit: u64, demand: f64, others: Others, held: Option<u64>) -> u64 {
     let weight = demand + limit as f64 * IDLE_WEIGHT;
-    let target = (limit as f64 * weight / (weight + others.weight)).floor() as u64;
+    // The epsilon keeps a whole share whole (100 * w / w can come out as 99.999...).
+    let target = (limit as f64 * weight / (weight + others.weight) + EPSILON).floor() as u64;
     let free = limit.saturating_sub(others.reserved);
     match held {
         Some(held)
