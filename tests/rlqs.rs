@@ -280,7 +280,7 @@ async fn two_envoys_share_the_limit_by_demand() {
     ];
     let first = Turnstile::start(rules.path(), &args).await;
     let second = Turnstile::start(rules.path(), &args).await;
-    let mut busy = Envoy::start(&bin, first.grpc).await;
+    let busy = Envoy::start(&bin, first.grpc).await;
     let light = Envoy::start(&bin, second.grpc).await;
 
     let t0 = Instant::now();

@@ -711,7 +711,8 @@ descriptors:
         let rules = rules(BASIC);
         let domain = rules.domain("test-domain").unwrap();
         // (bucket entries in any order, the rule's full key, the entries in the rule's order)
-        let cases: [(&[(&str, &str)], Option<(&str, &[(&str, &str)])>); 6] = [
+        type Entries<'a> = &'a [(&'a str, &'a str)];
+        let cases: [(Entries, Option<(&str, Entries)>); 6] = [
             (
                 &[("subkey1", "subvalue1"), ("key1", "value1")],
                 Some((

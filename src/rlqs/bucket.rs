@@ -114,7 +114,8 @@ descriptors:
                 other => format!("{other:?}"),
             })
         };
-        let cases: [(&[(&str, &str)], Option<&str>); 7] = [
+        type Entries<'a> = &'a [(&'a str, &'a str)];
+        let cases: [(Entries, Option<&str>); 7] = [
             (
                 &[("name", "api"), ("tenant", "a")],
                 Some("rlqs.tenant.name_api rlqs|tenant=a|name=api|fixed_window:1"),
