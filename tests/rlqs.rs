@@ -535,3 +535,37 @@ async fn reservations_outlive_a_restart_until_the_ttl() {
         assert_eq!(answer, "tokens 100", "{backend:?}");
     }
 }
+
+/// The Redis script is the twin of the in-process arithmetic: the same reports get the same
+/// shares from both. Reports of 0 requests make the demand exact whatever the timing.
+#[tokio::test]
+async fn memory_and_redis_assign_the_same_shares() {
+    let rules = Rules::new(CLIENT_RULES);
+    let redis = RedisServer::start();
+    let redis_url = redis.url();
+    // (stream, requests reported, share answered), for a limit of 100/s. A first report
+    // counts over 5 s: 50 requests are 10/s, 450 are 90/s.
+    let steps = [
+        (0, 50, "tokens 100"), // alone: everything
+        (1, 450, "tokens 0"),  // nothing is free
+        (0, 0, "tokens 5"),    // idle: shrinks to its idle weight's part
+        (1, 0, "tokens 50"),   // both idle: half, and half is free
+        (0, 0, "tokens 50"),   // grows into what the other left
+        (0, 0, "tokens 50"),   // unchanged
+    ];
+    let backends: [&[&str]; 2] = [
+        &["--backend", "memory"],
+        &["--backend", "redis", "--redis-url", &redis_url],
+    ];
+    for backend in backends {
+        let turnstile = Turnstile::start(rules.path(), backend).await;
+        let mut streams = [
+            Stream::open(&turnstile).await,
+            Stream::open(&turnstile).await,
+        ];
+        for (i, &(stream, requests, share)) in steps.iter().enumerate() {
+            let answer = streams[stream].share(requests).await;
+            assert_eq!(answer, share, "{backend:?} step {i}");
+        }
+    }
+}

@@ -4,8 +4,9 @@
 //!
 //! Every report is answered for every bucket it lists: an unchanged share is sent unchanged,
 //! which only extends Envoy's assignment (a changed one rebuilds Envoy's bucket, full).
-//! When Envoy closes the stream its reservations are freed at once; when the stream breaks,
-//! they lapse after the TTL, as the Envoy's assignments do.
+//! When the stream ends (Envoy closes it, or exits and its connection closes) its
+//! reservations are freed at once; when it breaks or goes silent, they lapse after the TTL,
+//! as the Envoy's assignments do.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -138,9 +139,8 @@ impl Inner {
                     break false;
                 }
             };
-            let last = answer.is_err();
             match answer {
-                Ok(None) => continue,
+                Ok(None) => {}
                 Ok(Some(answer)) => {
                     if tx.send(Ok(answer)).await.is_err() {
                         break false;
@@ -148,10 +148,8 @@ impl Inner {
                 }
                 Err(status) => {
                     let _ = tx.send(Err(status)).await;
+                    break false;
                 }
-            }
-            if last {
-                break false;
             }
         };
         if closed_by_envoy {
@@ -188,6 +186,9 @@ impl Inner {
         };
         let loaded = self.rules.current();
         let rules = loaded.rules.domain(&domain);
+        if rules.is_none() {
+            self.metrics.domain_not_found(&domain);
+        }
         let mut actions = Vec::with_capacity(report.bucket_quota_usages.len());
         for usage in report.bucket_quota_usages {
             let Some(bucket_id) = usage.bucket_id.clone() else {
