@@ -415,29 +415,44 @@ impl Stream {
     /// Report `requests` on the bucket {name: api} and return the action answered, if one
     /// comes within a second.
     async fn report(&mut self, requests: u64) -> Option<Action> {
+        self.report_to("rlqs", ("name", "api"), requests)
+            .await
+            .expect("RLQS stream failed")
+    }
+
+    /// Report `requests` on the bucket {key: value} of `domain`; the action answered, if one
+    /// comes within a second, or the stream's error.
+    async fn report_to(
+        &mut self,
+        domain: &str,
+        (key, value): (&str, &str),
+        requests: u64,
+    ) -> Result<Option<Action>, tonic::Status> {
+        let id = BucketId {
+            bucket: [(key.to_owned(), value.to_owned())].into(),
+        };
         let bucket = BucketQuotaUsage {
-            bucket_id: Some(BucketId {
-                bucket: [("name".to_owned(), "api".to_owned())].into(),
-            }),
+            bucket_id: Some(id.clone()),
             time_elapsed: None,
             num_requests_allowed: requests,
             num_requests_denied: 0,
         };
         let report = RateLimitQuotaUsageReports {
-            domain: "rlqs".into(),
+            domain: domain.into(),
             bucket_quota_usages: vec![bucket],
         };
         self.reports.send(report).await.expect("send a report");
         let answer = tokio::time::timeout(Duration::from_secs(1), self.answers.message()).await;
-        let mut answer = answer.ok()?.expect("RLQS stream failed")?;
+        let Ok(answer) = answer else {
+            return Ok(None);
+        };
+        let Some(mut answer) = answer? else {
+            return Ok(None);
+        };
         assert_eq!(answer.bucket_action.len(), 1);
         let action = answer.bucket_action.remove(0);
-        assert_eq!(
-            action.bucket_id.map(|id| id.bucket),
-            Some([("name".to_owned(), "api".to_owned())].into()),
-            "the bucket id is echoed"
-        );
-        action.bucket_action
+        assert_eq!(action.bucket_id, Some(id), "the bucket id is echoed");
+        Ok(action.bucket_action)
     }
 }
 
@@ -568,4 +583,36 @@ async fn memory_and_redis_assign_the_same_shares() {
             assert_eq!(answer, share, "{backend:?} step {i}");
         }
     }
+}
+
+/// What is not a limited bucket: a stream without a domain is refused; a bucket of an
+/// unknown domain, or one no rule covers, is abandoned; an unlimited rule allows all.
+#[tokio::test]
+async fn buckets_without_a_limit_are_answered_plainly() {
+    let rules = Rules::new(&format!(
+        "{CLIENT_RULES}  - key: name\n    value: free\n    rate_limit: {{unlimited: true}}\n"
+    ));
+    let turnstile = Turnstile::start(rules.path(), &[]).await;
+    let cases = [
+        ("", ("name", "api"), "refused: InvalidArgument"),
+        ("nope", ("name", "api"), "abandon"),
+        ("rlqs", ("name", "other"), "abandon"),
+        ("rlqs", ("user", "api"), "abandon"),
+        ("rlqs", ("name", "free"), "allow_all"),
+        ("rlqs", ("name", "api"), "tokens 100"),
+    ];
+    for (domain, bucket, expected) in cases {
+        let mut stream = Stream::open(&turnstile).await;
+        let answer = match stream.report_to(domain, bucket, 1).await {
+            Ok(action) => describe(action),
+            Err(status) => format!("refused: {:?}", status.code()),
+        };
+        assert_eq!(answer, expected, "{domain} {bucket:?}");
+    }
+    assert!(
+        turnstile
+            .metric("ratelimit_service_rate_limit_domain_not_found{domain=\"nope\"}")
+            .await
+            >= Some(1.0)
+    );
 }
