@@ -1,6 +1,7 @@
 -- RLQS: one Envoy's share of a bucket's limit, reserved atomically. KEYS[1] is a hash with one
--- field per Envoy stream: "<demand> <share> <expires at, ms>". ARGV: stream id, demand per
--- window (negative: the stream left), limit, idle weight, hysteresis, ttl (ms). Replies the
+-- field per holder (a bucket of an Envoy stream): "<demand> <share> <expires at, ms>". ARGV:
+-- holder id, demand per window (negative: the holder left), limit, idle weight, hysteresis,
+-- ttl (ms). Replies the
 -- share. Expired fields are dropped as they are met; the hash expires with its last writer.
 -- Mirrors src/rlqs/share.rs (assign).
 local id = ARGV[1]

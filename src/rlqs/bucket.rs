@@ -12,7 +12,7 @@ use crate::request::Bounds;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target<'r> {
     /// No rule covers it, the id is out of bounds, or its rule cannot be split into local
-    /// token buckets (a concurrency limit).
+    /// token buckets (a concurrency limit): not limited, as such a descriptor would not be.
     Uncovered,
     /// An `unlimited` or shadow-mode rule: admit everything (usage is still counted).
     Unlimited { stats_key: &'r str },

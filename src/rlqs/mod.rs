@@ -23,9 +23,9 @@ use crate::request::Bounds;
 pub use store::{MemoryShares, ShareStore};
 pub use stream::QuotaService;
 
-/// Buckets one stream may hold; past this, new buckets are abandoned (Envoy forgets them), so
-/// no client can grow the server's memory without bound.
-pub const MAX_BUCKETS_PER_STREAM: usize = 1_000;
+/// Limited buckets one stream may hold; past this, new ones are denied (they cannot be given
+/// a share untracked), so no client can grow the server's memory without bound.
+pub const MAX_BUCKETS_PER_STREAM: usize = 10_000;
 
 /// How the service is set up.
 pub struct Settings {
@@ -43,7 +43,6 @@ struct RlqsMetrics {
     token_bucket: Counter,
     allow_all: Counter,
     deny_all: Counter,
-    abandon: Counter,
     unanswered: Counter,
 }
 
@@ -61,7 +60,6 @@ impl RlqsMetrics {
             token_bucket: action("token_bucket"),
             allow_all: action("allow_all"),
             deny_all: action("deny_all"),
-            abandon: action("abandon"),
             unanswered: action("none"),
         }
     }

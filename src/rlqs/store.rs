@@ -1,7 +1,8 @@
 //! Where the shares live: in this process (memory backend, or the `local` failure policy),
 //! or in Redis, so that every turnstile instance sees every Envoy's demand and reservation
 //! and assigns consistently. One hash per bucket, keyed under the limit's own Cluster hash
-//! tag, one field per Envoy stream; entries expire `ttl` after their stream's last report.
+//! tag, one field per holder (one bucket of one Envoy stream); entries expire `ttl` after
+//! their holder's last report.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError};
@@ -17,12 +18,13 @@ static SHARE_SCRIPT: LazyLock<Lua> =
 /// Suffix of a bucket's hash after its limit's key.
 const SUFFIX: &str = ":rlqs";
 
-/// One stream's report on one bucket.
+/// One holder's report.
 #[derive(Debug, Clone, Copy)]
 pub struct Demand<'a> {
     /// The limit's state key (`crate::key::limit_key`).
     pub key: &'a str,
-    pub stream: u64,
+    /// Who holds the share: one of an Envoy's buckets.
+    pub holder: u64,
     /// Requests per window of the limit.
     pub demand: f64,
     /// The limit, requests per window.
@@ -36,14 +38,14 @@ pub enum ShareStore {
 }
 
 impl ShareStore {
-    /// Record the demand and reserve (and return) the stream's share.
+    /// Record the demand and reserve (and return) the holder's share.
     pub async fn share(&self, demand: Demand<'_>, ttl: Duration) -> Result<u64, BackendError> {
         match self {
             ShareStore::Memory(memory) => memory.share_now(demand, ttl),
             ShareStore::Redis(cell) => {
                 let redis = connected(cell)?;
                 let args = [
-                    demand.stream.to_string(),
+                    demand.holder.to_string(),
                     format!("{:.3}", demand.demand),
                     demand.limit.to_string(),
                     (demand.limit as f64 * IDLE_WEIGHT).to_string(),
@@ -58,16 +60,16 @@ impl ShareStore {
         }
     }
 
-    /// The stream is gone: free its reservation now rather than at expiry.
-    pub async fn leave(&self, key: &str, stream: u64) -> Result<(), BackendError> {
+    /// The holder's stream is gone: free its reservation now rather than at expiry.
+    pub async fn leave(&self, key: &str, holder: u64) -> Result<(), BackendError> {
         match self {
             ShareStore::Memory(memory) => {
-                memory.leave(key, stream);
+                memory.leave(key, holder);
                 Ok(())
             }
             ShareStore::Redis(cell) => {
-                // A negative demand removes the stream's field; the rest is unused.
-                let mut args = vec![stream.to_string(), "-1".to_owned()];
+                // A negative demand removes the holder's field; the rest is unused.
+                let mut args = vec![holder.to_string(), "-1".to_owned()];
                 args.resize(6, "0".to_owned());
                 connected(cell)?
                     .eval(&SHARE_SCRIPT, key, SUFFIX, &args)
@@ -91,7 +93,7 @@ struct Entry {
 }
 
 /// Shares in this process, bounded: at most `max_buckets` buckets, each expiring with its
-/// last stream's entry.
+/// last holder's entry.
 pub struct MemoryShares {
     buckets: Mutex<HashMap<String, HashMap<u64, Entry>>>,
     max_buckets: usize,
@@ -105,7 +107,7 @@ impl MemoryShares {
         }
     }
 
-    /// Record the demand and reserve (and return) the stream's share, now.
+    /// Record the demand and reserve (and return) the holder's share, now.
     pub fn share_now(&self, d: Demand<'_>, ttl: Duration) -> Result<u64, BackendError> {
         self.share(d, ttl, Instant::now())
     }
@@ -126,15 +128,15 @@ impl MemoryShares {
         let idle = d.limit as f64 * IDLE_WEIGHT;
         let others = entries
             .iter()
-            .filter(|(stream, _)| **stream != d.stream)
+            .filter(|(holder, _)| **holder != d.holder)
             .fold(Others::default(), |sum, (_, e)| Others {
                 weight: sum.weight + e.demand + idle,
                 reserved: sum.reserved + e.share,
             });
-        let held = entries.get(&d.stream).map(|e| e.share);
+        let held = entries.get(&d.holder).map(|e| e.share);
         let share = share::assign(d.limit, d.demand, others, held);
         entries.insert(
-            d.stream,
+            d.holder,
             Entry {
                 demand: d.demand,
                 share,
@@ -144,10 +146,10 @@ impl MemoryShares {
         Ok(share)
     }
 
-    pub fn leave(&self, key: &str, stream: u64) {
+    pub fn leave(&self, key: &str, holder: u64) {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(entries) = buckets.get_mut(key) {
-            entries.remove(&stream);
+            entries.remove(&holder);
             if entries.is_empty() {
                 buckets.remove(key);
             }
@@ -164,9 +166,9 @@ mod tests {
         let shares = MemoryShares::new(10);
         let ttl = Duration::from_secs(15);
         let t0 = Instant::now();
-        let report = |stream, demand| Demand {
+        let report = |holder, demand| Demand {
             key: "d|name=api|fixed_window:1",
-            stream,
+            holder,
             demand,
             limit: 100,
         };
@@ -193,7 +195,7 @@ mod tests {
         let now = Instant::now();
         let report = |key| Demand {
             key,
-            stream: 1,
+            holder: 1,
             demand: 1.0,
             limit: 10,
         };

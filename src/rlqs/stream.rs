@@ -4,9 +4,8 @@
 //!
 //! Every report is answered for every bucket it lists: an unchanged share is sent unchanged,
 //! which only extends Envoy's assignment (a changed one rebuilds Envoy's bucket, full).
-//! When the stream ends (Envoy closes it, or exits and its connection closes) its
-//! reservations are freed at once; when it breaks or goes silent, they lapse after the TTL,
-//! as the Envoy's assignments do.
+//! When Envoy ends the stream its reservations are freed at once; when the stream breaks or
+//! goes silent, they lapse a TTL after its last report, as the Envoy's assignments do.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -17,7 +16,7 @@ use envoy_types::pb::envoy::r#type::v3::RateLimitStrategy;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+    BucketAction as Action, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
@@ -101,15 +100,17 @@ impl RateLimitQuotaService for QuotaService {
     }
 }
 
-/// One bucket as the stream knows it.
+/// One limited bucket as the stream knows it.
 struct Seen {
     last_report: Instant,
-    /// The limit's state key, once a rule limits the bucket.
+    /// Who holds the bucket's share in the store: each of an Envoy's buckets enforces its
+    /// own token bucket, so two bucket ids on one counter (`share_threshold`) hold two shares.
+    holder: u64,
+    /// The limit's state key, once its share is reserved.
     key: Option<String>,
 }
 
 struct StreamState {
-    id: u64,
     domain: Option<String>,
     buckets: HashMap<Vec<(String, String)>, Seen>,
 }
@@ -122,7 +123,6 @@ impl Inner {
     ) {
         self.counters.streams.increment(1.0);
         let mut state = StreamState {
-            id: fastrand::u64(..),
             domain: None,
             buckets: HashMap::new(),
         };
@@ -153,11 +153,14 @@ impl Inner {
             }
         };
         if closed_by_envoy {
-            for key in state.buckets.values().filter_map(|s| s.key.as_deref()) {
-                if let Err(error) = self.store.leave(key, state.id).await {
+            for seen in state.buckets.values() {
+                let Some(key) = seen.key.as_deref() else {
+                    continue;
+                };
+                if let Err(error) = self.store.leave(key, seen.holder).await {
                     tracing::debug!(%error, "RLQS reservation left to expire");
                 }
-                self.local.leave(key, state.id);
+                self.local.leave(key, seen.holder);
             }
         }
         self.counters.streams.decrement(1.0);
@@ -221,35 +224,18 @@ impl Inner {
             (Some(rules), Some(entries)) => bucket::target(rules, entries),
             _ => Target::Uncovered,
         };
-        let Some(entries) = entries else {
-            return Some(self.abandon());
-        };
-        let owned: Vec<(String, String)> = entries
-            .iter()
-            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        if !state.buckets.contains_key(&owned) && state.buckets.len() >= MAX_BUCKETS_PER_STREAM {
-            return Some(self.abandon());
-        }
-        let seen = state.buckets.entry(owned).or_insert(Seen {
-            last_report: now - FIRST_REPORT_SPAN,
-            key: None,
-        });
-        let span = now.duration_since(seen.last_report).max(MIN_REPORT_SPAN);
-        seen.last_report = now;
         let usage_of = |stats_key: &str| {
             let counters = self.metrics.rule(stats_key);
             let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
             self.metrics.record_usage(&counters, allowed, denied);
         };
         let (key, limit) = match target {
-            Target::Uncovered => {
-                seen.key = None;
-                return Some(self.abandon());
-            }
+            // Not limited, as a descriptor no rule covers: allowed, and nothing is kept. (An
+            // abandoned bucket is re-created by Envoy 1.40 at its next request and reported
+            // at once: a report per request.)
+            Target::Uncovered => return Some(self.assign(blanket(BlanketRule::AllowAll))),
             Target::Unlimited { stats_key } => {
                 usage_of(stats_key);
-                seen.key = None;
                 return Some(self.assign(blanket(BlanketRule::AllowAll)));
             }
             Target::Limited {
@@ -261,12 +247,28 @@ impl Inner {
                 (key, limit)
             }
         };
+        let owned: Vec<(String, String)> = entries
+            .iter()
+            .flatten()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        if !state.buckets.contains_key(&owned) && state.buckets.len() >= MAX_BUCKETS_PER_STREAM {
+            // Untracked, a limited bucket cannot be given a share; nor let through.
+            return Some(self.assign(blanket(BlanketRule::DenyAll)));
+        }
+        let seen = state.buckets.entry(owned).or_insert_with(|| Seen {
+            last_report: now - FIRST_REPORT_SPAN,
+            holder: fastrand::u64(..),
+            key: None,
+        });
+        let span = now.duration_since(seen.last_report).max(MIN_REPORT_SPAN);
+        seen.last_report = now;
         let requests = usage
             .num_requests_allowed
             .saturating_add(usage.num_requests_denied);
         let demand = Demand {
             key: &key,
-            stream: state.id,
+            holder: seen.holder,
             demand: requests as f64 * limit.window as f64 / span.as_secs_f64(),
             limit: u64::from(limit.requests_per_unit),
         };
@@ -314,10 +316,5 @@ impl Inner {
             assignment_time_to_live: Some(proto_duration(self.settings.ttl)),
             rate_limit_strategy: Some(strategy),
         })
-    }
-
-    fn abandon(&self) -> Action {
-        self.counters.abandon.increment(1);
-        Action::AbandonAction(AbandonAction {})
     }
 }
