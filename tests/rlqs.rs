@@ -617,3 +617,45 @@ async fn buckets_without_a_limit_are_allowed() {
             >= Some(1.0)
     );
 }
+
+/// A stream tracks a bounded amount of buckets: past its budget (4 MiB), new limited buckets
+/// are denied rather than tracked, and the ones it holds keep their shares.
+#[tokio::test]
+async fn a_stream_tracks_a_bounded_number_of_buckets() {
+    let rules = Rules::new(
+        "domain: rlqs\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 100}\n",
+    );
+    let turnstile = Turnstile::start(rules.path(), &[]).await;
+    let mut stream = Stream::open(&turnstile).await;
+    let padding = "x".repeat(1_000);
+    let mut answers = std::collections::BTreeMap::<String, usize>::new();
+    for batch in 0..3 {
+        let buckets = (0..700)
+            .map(|i| BucketQuotaUsage {
+                bucket_id: Some(BucketId {
+                    bucket: [("user".to_owned(), format!("{batch}-{i}-{padding}"))].into(),
+                }),
+                time_elapsed: None,
+                num_requests_allowed: 1,
+                num_requests_denied: 0,
+            })
+            .collect();
+        let report = RateLimitQuotaUsageReports {
+            domain: "rlqs".into(),
+            bucket_quota_usages: buckets,
+        };
+        stream.reports.send(report).await.expect("send a report");
+        let answer = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
+            .await
+            .expect("an answer in time")
+            .expect("RLQS stream failed")
+            .expect("an answer");
+        for action in answer.bucket_action {
+            *answers.entry(describe(action.bucket_action)).or_default() += 1;
+        }
+    }
+    let (shares, denied) = (answers["tokens 100"], answers["deny_all"]);
+    assert_eq!((shares + denied, answers.len()), (2_100, 2), "{answers:?}");
+    // About 2.2 KB a bucket here: 4 MiB holds about 1 900.
+    assert!((1_700..2_000).contains(&shares), "{answers:?}");
+}

@@ -23,9 +23,10 @@ use crate::request::Bounds;
 pub use store::{MemoryShares, ShareStore};
 pub use stream::QuotaService;
 
-/// Limited buckets one stream may hold; past this, new ones are denied (they cannot be given
-/// a share untracked), so no client can grow the server's memory without bound.
-pub const MAX_BUCKETS_PER_STREAM: usize = 10_000;
+/// Bytes of limited buckets one stream may track (ids and state keys, plus a fixed cost per
+/// bucket); past this, new ones are denied (they cannot be given a share untracked), so no
+/// stream can grow the server's memory without bound. About 30 000 buckets of short ids.
+pub const MAX_STREAM_BYTES: usize = 4 << 20;
 
 /// How the service is set up.
 pub struct Settings {

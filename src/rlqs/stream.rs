@@ -30,7 +30,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::bucket::{self, Target};
 use super::share::{blanket, proto_duration, token_bucket};
 use super::store::{Demand, MemoryShares, ShareStore};
-use super::{MAX_BUCKETS_PER_STREAM, RlqsMetrics, Settings};
+use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
 use crate::active::ActiveRules;
 use crate::config::DomainRules;
 use crate::fallback::FailurePolicy;
@@ -41,6 +41,8 @@ const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
 /// Shortest span a report's counts are divided by, so two reports in quick succession cannot
 /// claim an absurd rate.
 const MIN_REPORT_SPAN: Duration = Duration::from_millis(100);
+/// What tracking one bucket costs besides its strings: map slots, `Seen`, string headers.
+const BUCKET_COST: usize = 160;
 /// Answers queued for one stream before its reports wait.
 const QUEUED_ANSWERS: usize = 4;
 
@@ -113,6 +115,8 @@ struct Seen {
 struct StreamState {
     domain: Option<String>,
     buckets: HashMap<Vec<(String, String)>, Seen>,
+    /// What `buckets` costs, counted as `MAX_STREAM_BYTES` counts it.
+    bytes: usize,
 }
 
 impl Inner {
@@ -125,6 +129,7 @@ impl Inner {
         let mut state = StreamState {
             domain: None,
             buckets: HashMap::new(),
+            bytes: 0,
         };
         let closed_by_envoy = loop {
             let report = tokio::select! {
@@ -252,9 +257,15 @@ impl Inner {
             .flatten()
             .map(|&(k, v)| (k.to_owned(), v.to_owned()))
             .collect();
-        if !state.buckets.contains_key(&owned) && state.buckets.len() >= MAX_BUCKETS_PER_STREAM {
-            // Untracked, a limited bucket cannot be given a share; nor let through.
-            return Some(self.assign(blanket(BlanketRule::DenyAll)));
+        if !state.buckets.contains_key(&owned) {
+            let cost = BUCKET_COST
+                + key.len()
+                + owned.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+            if state.bytes + cost > MAX_STREAM_BYTES {
+                // Untracked, a limited bucket cannot be given a share; nor let through.
+                return Some(self.assign(blanket(BlanketRule::DenyAll)));
+            }
+            state.bytes += cost;
         }
         let seen = state.buckets.entry(owned).or_insert_with(|| Seen {
             last_report: now - FIRST_REPORT_SPAN,
