@@ -481,6 +481,12 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_MAX_SERIES_BYTES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES_BYTES)]
     pub max_series_bytes: usize,
 
+    /// How long an RLQS share lasts without a new report: the assignment_time_to_live sent
+    /// to Envoy and the life of the stream's reservation in the backend. Envoy 1.40 reports
+    /// every 5 s, so this must be well above 5 s.
+    #[arg(long, env = "TURNSTILE_RLQS_TTL", value_parser = duration, default_value = "15s")]
+    pub rlqs_ttl: Duration,
+
     /// Report not-serving while the rules define no domain.
     #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]
     pub healthy_with_at_least_one_config_loaded: bool,

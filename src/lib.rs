@@ -25,6 +25,7 @@ pub mod plan;
 pub mod reload;
 pub mod request;
 pub mod response;
+pub mod rlqs;
 pub mod server;
 pub mod service;
 pub mod statsd;

@@ -423,6 +423,26 @@ impl Metrics {
         }
     }
 
+    /// Usage an RLQS client reports for a rule, counted as the rule's hits: allowed ones
+    /// within the limit, denied ones over it.
+    pub fn record_usage(&self, counters: &RuleCounters, allowed: u64, denied: u64) {
+        counters
+            .total_hits
+            .increment(allowed.saturating_add(denied));
+        counters.within_limit.increment(allowed);
+        counters.over_limit.increment(denied);
+    }
+
+    /// A counter of another module, on these recorders.
+    pub fn counter(&self, name: &'static str, labels: Vec<Label>) -> Counter {
+        counter(&self.recorder, name, labels)
+    }
+
+    pub fn gauge(&self, name: &'static str) -> Gauge {
+        self.recorder
+            .register_gauge(&Key::from_name(name), &METADATA)
+    }
+
     /// Count a failed backend call by its kind.
     pub fn backend_error(&self, error: &BackendError) {
         let kind = error.kind();

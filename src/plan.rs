@@ -111,7 +111,16 @@ fn entries<'e>(
     descriptor: &'e Descriptor<'_>,
     shared: &'e [Option<String>],
 ) -> impl Iterator<Item = (&'e str, &'e str)> {
-    descriptor.entries.iter().enumerate().map(|(i, &(k, v))| {
+    shared_entries(&descriptor.entries, shared)
+}
+
+/// `entries` in the rule's order, with the rule's `share_threshold` patterns in place of the
+/// values they match (RLQS buckets name their state this way too).
+pub fn shared_entries<'e>(
+    entries: &'e [(&'e str, &'e str)],
+    shared: &'e [Option<String>],
+) -> impl Iterator<Item = (&'e str, &'e str)> {
+    entries.iter().enumerate().map(|(i, &(k, v))| {
         let shared = shared.get(i).and_then(Option::as_deref);
         (k, shared.unwrap_or(v))
     })

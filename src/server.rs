@@ -3,10 +3,11 @@
 //! finish in-flight calls. Connections are accepted by `listener`, within caps that fit the
 //! open-files limit.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -37,6 +38,7 @@ use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::request::Bounds;
 use crate::response::{Headers, ResponseSettings};
+use crate::rlqs::{self, MemoryShares, ShareStore};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
 use crate::xds;
@@ -256,14 +258,24 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .counting_evictions(metrics.memory_evictions.clone());
             backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
             let backend = Measured::new(backend, metrics.clone());
-            run(backend, &args, rules, feed, metrics).await
+            let shares = ShareStore::Memory(MemoryShares::new(args.memory_max_keys));
+            run(backend, shares, &args, rules, feed, metrics).await
         }
         BackendKind::Redis => {
             let config = redis_config(&args)?;
             tracing::info!(?config, "connecting to Redis");
-            let connected = Deferred::connect(move || {
-                let config = config.clone();
-                async move { RedisBackend::connect(&config).await }
+            // RLQS shares live in the same Redis, on the same connections.
+            let redis = Arc::new(OnceLock::new());
+            let connected = Deferred::connect({
+                let redis = redis.clone();
+                move || {
+                    let (config, redis) = (config.clone(), redis.clone());
+                    async move {
+                        let backend = RedisBackend::connect(&config).await?;
+                        let _ = redis.set(backend.clone());
+                        Ok(backend)
+                    }
+                }
             });
             let entries = args
                 .local_cache_size_in_bytes
@@ -271,13 +283,22 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let measured = Measured::new(connected, metrics.clone());
             let cached = OverLimitCache::new(measured, entries, metrics.clone());
             let backend = Leased::new(cached, MAX_LEASE_POOLS);
-            run(backend, &args, rules, feed, metrics).await
+            run(
+                backend,
+                ShareStore::Redis(redis),
+                &args,
+                rules,
+                feed,
+                metrics,
+            )
+            .await
         }
     }
 }
 
 async fn run<B: Backend>(
     backend: B,
+    shares: ShareStore,
     args: &ServeArgs,
     rules: Arc<ActiveRules>,
     feed: Feed,
@@ -296,6 +317,16 @@ async fn run<B: Backend>(
         max_backoff: args.breaker_max_backoff,
         ..BreakerConfig::default()
     };
+    let quota = rlqs::QuotaService::new(
+        rules.clone(),
+        shares,
+        rlqs::Settings {
+            ttl: args.rlqs_ttl,
+            on_backend_error: settings(args).on_backend_error,
+            bounds: settings(args).bounds,
+        },
+        metrics.clone(),
+    );
     let limiter = Arc::new(RateLimiter::new(
         rules.clone(),
         Breaker::new(backend, breaker, metrics.clone()),
@@ -401,7 +432,11 @@ async fn run<B: Backend>(
         )
         .add_service(health_service)
         .add_service(
-            RateLimitServiceServer::from_arc(limiter)
+            RateLimitServiceServer::from_arc(limiter.clone())
+                .max_decoding_message_size(args.max_message_bytes),
+        )
+        .add_service(
+            RateLimitQuotaServiceServer::new(quota)
                 .max_decoding_message_size(args.max_message_bytes),
         )
         .serve_with_incoming_shutdown(grpc_incoming, until_stopped(stopped.clone()));

@@ -135,6 +135,51 @@ impl DomainRules {
         }
         Err(Miss::Empty)
     }
+
+    /// Walk an unordered set of (key, value) entries (an RLQS bucket id, whose keys carry no
+    /// order): the rule tree supplies the order. Each step takes a remaining entry whose key
+    /// the level knows (in the given order) and matches its value as `lookup` does; a path
+    /// that cannot use every entry on a node with a rule is abandoned for the next. Returns
+    /// the rule and the entries in the rule's order.
+    pub fn lookup_set<'a>(
+        &self,
+        entries: &[(&'a str, &'a str)],
+    ) -> Option<(&Rule, Vec<(&'a str, &'a str)>)> {
+        let mut path = Vec::with_capacity(entries.len());
+        let mut used = vec![false; entries.len()];
+        let rule = self.walk_set(&self.root, entries, &mut used, &mut path)?;
+        Some((rule, path))
+    }
+
+    fn walk_set<'a>(
+        &self,
+        level: &Level,
+        entries: &[(&'a str, &'a str)],
+        used: &mut [bool],
+        path: &mut Vec<(&'a str, &'a str)>,
+    ) -> Option<&Rule> {
+        for (i, &(key, value)) in entries.iter().enumerate() {
+            if used[i] {
+                continue;
+            }
+            let Some(step) = level.keys.get(key).and_then(|b| b.find(value)) else {
+                continue;
+            };
+            used[i] = true;
+            path.push((key, value));
+            let found = if path.len() == entries.len() {
+                step.rule.map(|r| &self.rules[r])
+            } else {
+                self.walk_set(&step.children, entries, used, path)
+            };
+            if found.is_some() {
+                return found;
+            }
+            used[i] = false;
+            path.pop();
+        }
+        None
+    }
 }
 
 /// Why a descriptor matched no rule; `entry` is the 0-based index of the entry the walk
@@ -725,6 +770,51 @@ descriptors:
                 expected,
                 "{pattern} vs {value}"
             );
+        }
+    }
+    #[test]
+    fn unordered_sets_take_the_rules_order() {
+        let rules = rules(BASIC);
+        let domain = rules.domain("test-domain").unwrap();
+        // (bucket entries in any order, the rule's full key, the entries in the rule's order)
+        type Entries<'a> = &'a [(&'a str, &'a str)];
+        let cases: [(Entries, Option<(&str, Entries)>); 6] = [
+            (
+                &[("subkey1", "subvalue1"), ("key1", "value1")],
+                Some((
+                    "test-domain.key1_value1.subkey1_subvalue1",
+                    &[("key1", "value1"), ("subkey1", "subvalue1")],
+                )),
+            ),
+            (
+                &[("key1", "value1"), ("subkey1", "other")],
+                Some((
+                    "test-domain.key1_value1.subkey1",
+                    &[("key1", "value1"), ("subkey1", "other")],
+                )),
+            ),
+            (
+                &[("key2", "value2")],
+                Some(("test-domain.key2_value2", &[("key2", "value2")])),
+            ),
+            // key5 -> subkey5 has a rule; subkey5 alone at the root does not.
+            (
+                &[("subkey5", "subvalue5"), ("key5", "value5")],
+                Some((
+                    "test-domain.key5_value5.subkey5_subvalue5",
+                    &[("key5", "value5"), ("subkey5", "subvalue5")],
+                )),
+            ),
+            // Every entry must be used, as with a descriptor.
+            (&[("key2", "value2"), ("key3", "x")], None),
+            (&[("key1", "value1")], None),
+        ];
+        for (entries, expected) in cases {
+            let found = domain.lookup_set(entries);
+            let found = found
+                .as_ref()
+                .map(|(rule, path)| (rule.full_key.as_str(), path.as_slice()));
+            assert_eq!(found, expected, "{entries:?}");
         }
     }
 }

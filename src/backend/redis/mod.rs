@@ -25,6 +25,7 @@ use crate::algorithm::Micros;
 use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
+pub use script::Lua;
 use script::{Call, Mode, Reply};
 
 /// How the configured URLs reach the master(s) that hold the state.
@@ -153,6 +154,33 @@ impl RedisBackend {
                 clock: Clock::new(),
             }),
         })
+    }
+}
+
+impl RedisBackend {
+    /// Run a script of another module on `<prefix>{<identity>}<suffix>`: a key in the Cluster
+    /// slot of the limit whose state key is `identity`. Bounded by the call timeout.
+    pub async fn eval(
+        &self,
+        lua: &Lua,
+        identity: &str,
+        suffix: &str,
+        args: &[String],
+    ) -> Result<i64, BackendError> {
+        let shared = &self.shared;
+        let key = format!("{}{{{identity}}}{suffix}", shared.key_prefix);
+        let call = script::run_lua(&shared.pool, lua, &key, args);
+        match tokio::time::timeout(shared.call_timeout, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(err)) => {
+                shared.pool.trouble(&err);
+                Err(backend_error(&err))
+            }
+            Err(_) => {
+                shared.pool.timed_out();
+                Err(BackendError::Timeout)
+            }
+        }
     }
 }
 

@@ -38,6 +38,39 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     Batch { source, sha1 }
 });
 
+/// A script of another module (RLQS shares), with its SHA-1 for EVALSHA.
+pub struct Lua {
+    source: &'static str,
+    sha1: String,
+}
+
+impl Lua {
+    pub fn new(source: &'static str) -> Lua {
+        let sha1 = sha1_smol::Sha1::from(source).digest().to_string();
+        Lua { source, sha1 }
+    }
+}
+
+/// Run `lua` on one key: by hash, and by text if the server lost the script.
+pub(super) async fn run_lua(
+    pool: &Pool,
+    lua: &Lua,
+    key: &str,
+    args: &[String],
+) -> RedisResult<i64> {
+    let command = |verb: &str, script: &str| {
+        let mut cmd = ::redis::cmd(verb);
+        cmd.arg(script).arg(1).arg(key).arg(args);
+        cmd
+    };
+    match pool.query(&command("EVALSHA", &lua.sha1)).await {
+        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            pool.query(&command("EVAL", lua.source)).await
+        }
+        result => result,
+    }
+}
+
 /// What a call does with the hits it carries (see `lua/batch.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Mode {

@@ -1,0 +1,67 @@
+//! Envoy's Rate Limit Quota Service (RLQS): Envoys enforce the global limits locally, with
+//! shares turnstile assigns and rebalances, so no call sits on the request path.
+//!
+//! Each Envoy holds one stream (`StreamRateLimitQuotas`) and reports, per bucket, how many
+//! requests it allowed and denied (Envoy 1.40: every 5 s). Every report is answered with the
+//! Envoy's share of the bucket's rule as a token bucket (`share`), reserved in the backend
+//! (`store`) so that the shares of all Envoys, through any number of turnstile instances,
+//! never add up to more than the limit. The bucket id is matched to the same rules as a
+//! descriptor (`bucket`). The stream's bookkeeping is in `stream`.
+
+mod bucket;
+mod share;
+mod store;
+mod stream;
+
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Label};
+
+use crate::fallback::FailurePolicy;
+use crate::metrics::Metrics;
+use crate::request::Bounds;
+pub use store::{MemoryShares, ShareStore};
+pub use stream::QuotaService;
+
+/// Bytes of limited buckets one stream may track (ids and state keys, plus a fixed cost per
+/// bucket); past this, new ones are denied (they cannot be given a share untracked), so no
+/// stream can grow the server's memory without bound. About 30 000 buckets of short ids.
+pub const MAX_STREAM_BYTES: usize = 4 << 20;
+
+/// How the service is set up.
+pub struct Settings {
+    /// An assignment's life without a new report (and its reservation's).
+    pub ttl: Duration,
+    /// Answer when the shared store fails, unless the domain's rules say otherwise.
+    pub on_backend_error: FailurePolicy,
+    pub bounds: Bounds,
+}
+
+/// What the service counts.
+struct RlqsMetrics {
+    streams: Gauge,
+    reports: Counter,
+    token_bucket: Counter,
+    allow_all: Counter,
+    deny_all: Counter,
+    unanswered: Counter,
+}
+
+impl RlqsMetrics {
+    fn new(metrics: &Metrics) -> RlqsMetrics {
+        let action = |name: &'static str| {
+            metrics.counter(
+                "turnstile_rlqs_assignments",
+                vec![Label::new("action", name)],
+            )
+        };
+        RlqsMetrics {
+            streams: metrics.gauge("turnstile_rlqs_streams"),
+            reports: metrics.counter("turnstile_rlqs_bucket_reports", Vec::new()),
+            token_bucket: action("token_bucket"),
+            allow_all: action("allow_all"),
+            deny_all: action("deny_all"),
+            unanswered: action("none"),
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! One Envoy's stream: the domain from its first report, per bucket the arrival time of
+//! its last report (Envoy's `time_elapsed` is whole seconds, and 0 on a bucket's first
+//! report, so demand is measured on arrival times), and its answers.
+//!
+//! Every report is answered for every bucket it lists: an unchanged share is sent unchanged,
+//! which only extends Envoy's assignment (a changed one rebuilds Envoy's bucket, full).
+//! When Envoy ends the stream its reservations are freed at once; when the stream breaks or
+//! goes silent, they lapse a TTL after its last report, as the Envoy's assignments do.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::r#type::v3::RateLimitStrategy;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
+    BucketAction as Action, QuotaAssignmentAction,
+};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use futures_util::Stream;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::bucket::{self, Target};
+use super::share::{blanket, proto_duration, token_bucket};
+use super::store::{Demand, MemoryShares, ShareStore};
+use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
+use crate::active::ActiveRules;
+use crate::config::DomainRules;
+use crate::fallback::FailurePolicy;
+use crate::metrics::{Metrics, StatsKey};
+
+/// What a bucket's first report is taken to cover (Envoy reports every 5 s).
+const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
+/// Shortest span a report's counts are divided by, so two reports in quick succession cannot
+/// claim an absurd rate.
+const MIN_REPORT_SPAN: Duration = Duration::from_millis(100);
+/// What tracking one bucket costs besides its strings: map slots, `Seen`, string headers.
+const BUCKET_COST: usize = 160;
+/// Answers queued for one stream before its reports wait.
+const QUEUED_ANSWERS: usize = 4;
+
+/// Buckets the `local` failure policy tracks in this process.
+const LOCAL_MAX_BUCKETS: usize = 100_000;
+
+pub struct QuotaService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    rules: Arc<ActiveRules>,
+    store: ShareStore,
+    /// Shares among this process's streams only, for the `local` failure policy.
+    local: MemoryShares,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+    counters: RlqsMetrics,
+}
+
+impl QuotaService {
+    pub fn new(
+        rules: Arc<ActiveRules>,
+        store: ShareStore,
+        settings: Settings,
+        metrics: Arc<Metrics>,
+    ) -> QuotaService {
+        QuotaService {
+            inner: Arc::new(Inner {
+                rules,
+                store,
+                local: MemoryShares::new(LOCAL_MAX_BUCKETS),
+                counters: RlqsMetrics::new(&metrics),
+                settings,
+                metrics,
+            }),
+        }
+    }
+}
+
+type Answers = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RateLimitQuotaService for QuotaService {
+    type StreamRateLimitQuotasStream = Answers;
+
+    async fn stream_rate_limit_quotas(
+        &self,
+        request: Request<Streaming<RateLimitQuotaUsageReports>>,
+    ) -> Result<Response<Answers>, Status> {
+        let (tx, rx) = mpsc::channel(QUEUED_ANSWERS);
+        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx));
+        let answers = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|answer| (answer, rx))
+        });
+        Ok(Response::new(Box::pin(answers)))
+    }
+}
+
+/// One limited bucket as the stream knows it.
+struct Seen {
+    last_report: Instant,
+    /// Who holds the bucket's share in the store: each of an Envoy's buckets enforces its
+    /// own token bucket, so two bucket ids on one counter (`share_threshold`) hold two shares.
+    holder: u64,
+    /// The limit's state key, once its share is reserved.
+    key: Option<String>,
+}
+
+struct StreamState {
+    domain: Option<String>,
+    buckets: HashMap<Vec<(String, String)>, Seen>,
+    /// What `buckets` costs, counted as `MAX_STREAM_BYTES` counts it.
+    bytes: usize,
+}
+
+impl Inner {
+    async fn serve(
+        self: Arc<Self>,
+        mut reports: Streaming<RateLimitQuotaUsageReports>,
+        tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    ) {
+        self.counters.streams.increment(1.0);
+        let mut state = StreamState {
+            domain: None,
+            buckets: HashMap::new(),
+            bytes: 0,
+        };
+        let closed_by_envoy = loop {
+            let report = tokio::select! {
+                report = reports.message() => report,
+                () = tx.closed() => break false,
+            };
+            let answer = match report {
+                Ok(Some(report)) => self.answer(&mut state, report).await,
+                Ok(None) => break true,
+                Err(status) => {
+                    tracing::debug!(%status, "RLQS stream broke");
+                    break false;
+                }
+            };
+            match answer {
+                Ok(None) => {}
+                Ok(Some(answer)) => {
+                    if tx.send(Ok(answer)).await.is_err() {
+                        break false;
+                    }
+                }
+                Err(status) => {
+                    let _ = tx.send(Err(status)).await;
+                    break false;
+                }
+            }
+        };
+        if closed_by_envoy {
+            for seen in state.buckets.values() {
+                let Some(key) = seen.key.as_deref() else {
+                    continue;
+                };
+                if let Err(error) = self.store.leave(key, seen.holder).await {
+                    tracing::debug!(%error, "RLQS reservation left to expire");
+                }
+                self.local.leave(key, seen.holder);
+            }
+        }
+        self.counters.streams.decrement(1.0);
+    }
+
+    /// The answer to one report: an action for every bucket it lists, unless the failure
+    /// policy says to leave them be. A stream whose first report names no domain is refused.
+    async fn answer(
+        &self,
+        state: &mut StreamState,
+        report: RateLimitQuotaUsageReports,
+    ) -> Result<Option<RateLimitQuotaResponse>, Status> {
+        let now = Instant::now();
+        let domain = match &state.domain {
+            Some(domain) => domain.clone(),
+            None => {
+                let domain = report.domain;
+                if domain.is_empty() || domain.len() > self.settings.bounds.max_descriptor_bytes {
+                    return Err(Status::invalid_argument(
+                        "the stream's first report must name the domain (at most max_bytes)",
+                    ));
+                }
+                state.domain = Some(domain.clone());
+                domain
+            }
+        };
+        let loaded = self.rules.current();
+        let rules = loaded.rules.domain(&domain);
+        if rules.is_none() {
+            self.metrics.domain_not_found(&domain);
+        }
+        let mut actions = Vec::with_capacity(report.bucket_quota_usages.len());
+        for usage in report.bucket_quota_usages {
+            let Some(bucket_id) = usage.bucket_id.clone() else {
+                continue;
+            };
+            self.counters.reports.increment(1);
+            if let Some(action) = self.bucket(state, rules, &bucket_id, &usage, now).await {
+                actions.push(BucketAction {
+                    bucket_id: Some(bucket_id),
+                    bucket_action: Some(action),
+                });
+            }
+        }
+        Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        }))
+    }
+
+    /// One bucket's action, echoing Envoy's bucket id exactly.
+    async fn bucket(
+        &self,
+        state: &mut StreamState,
+        rules: Option<&DomainRules>,
+        bucket_id: &BucketId,
+        usage: &BucketQuotaUsage,
+        now: Instant,
+    ) -> Option<Action> {
+        let entries = bucket::entries(&bucket_id.bucket, &self.settings.bounds);
+        let target = match (rules, &entries) {
+            (Some(rules), Some(entries)) => bucket::target(rules, entries),
+            _ => Target::Uncovered,
+        };
+        let usage_of = |stats_key: &str| {
+            let counters = self.metrics.rule(&StatsKey::Rule(stats_key));
+            let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
+            self.metrics.record_usage(&counters, allowed, denied);
+        };
+        let (key, limit) = match target {
+            // Not limited, as a descriptor no rule covers: allowed, and nothing is kept. (An
+            // abandoned bucket is re-created by Envoy 1.40 at its next request and reported
+            // at once: a report per request.)
+            Target::Uncovered => return Some(self.assign(blanket(BlanketRule::AllowAll))),
+            Target::Unlimited { stats_key } => {
+                usage_of(stats_key);
+                return Some(self.assign(blanket(BlanketRule::AllowAll)));
+            }
+            Target::Limited {
+                key,
+                limit,
+                stats_key,
+            } => {
+                usage_of(stats_key);
+                (key, limit)
+            }
+        };
+        let owned: Vec<(String, String)> = entries
+            .iter()
+            .flatten()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        if !state.buckets.contains_key(&owned) {
+            let cost = BUCKET_COST
+                + key.len()
+                + owned.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+            if state.bytes + cost > MAX_STREAM_BYTES {
+                // Untracked, a limited bucket cannot be given a share; nor let through.
+                return Some(self.assign(blanket(BlanketRule::DenyAll)));
+            }
+            state.bytes += cost;
+        }
+        let seen = state.buckets.entry(owned).or_insert_with(|| Seen {
+            last_report: now - FIRST_REPORT_SPAN,
+            holder: fastrand::u64(..),
+            key: None,
+        });
+        let span = now.duration_since(seen.last_report).max(MIN_REPORT_SPAN);
+        seen.last_report = now;
+        let requests = usage
+            .num_requests_allowed
+            .saturating_add(usage.num_requests_denied);
+        let demand = Demand {
+            key: &key,
+            holder: seen.holder,
+            demand: requests as f64 * limit.window as f64 / span.as_secs_f64(),
+            limit: u64::from(limit.requests_per_unit),
+        };
+        let ttl = self.settings.ttl;
+        let share = match self.store.share(demand, ttl).await {
+            Ok(share) => share,
+            Err(error) => {
+                self.metrics.backend_error(&error);
+                let policy = rules
+                    .and_then(DomainRules::on_backend_error)
+                    .unwrap_or(self.settings.on_backend_error);
+                tracing::debug!(%error, %policy, "RLQS store failed; answering by policy");
+                match policy {
+                    FailurePolicy::Allow => {
+                        return Some(self.assign(blanket(BlanketRule::AllowAll)));
+                    }
+                    FailurePolicy::Deny => return Some(self.assign(blanket(BlanketRule::DenyAll))),
+                    // Envoy keeps its assignment until the TTL, then its expired behaviour.
+                    FailurePolicy::Error => {
+                        self.counters.unanswered.increment(1);
+                        return None;
+                    }
+                    FailurePolicy::Local => match self.local.share_now(demand, ttl) {
+                        Ok(share) => share,
+                        Err(_) => return Some(self.assign(blanket(BlanketRule::DenyAll))),
+                    },
+                }
+            }
+        };
+        seen.key = Some(key.clone());
+        Some(self.assign(token_bucket(&limit, share)))
+    }
+
+    fn assign(&self, strategy: RateLimitStrategy) -> Action {
+        use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
+        let counter = match strategy.strategy {
+            Some(Strategy::TokenBucket(_)) => &self.counters.token_bucket,
+            Some(Strategy::BlanketRule(rule)) if rule == BlanketRule::DenyAll as i32 => {
+                &self.counters.deny_all
+            }
+            _ => &self.counters.allow_all,
+        };
+        counter.increment(1);
+        Action::QuotaAssignmentAction(QuotaAssignmentAction {
+            assignment_time_to_live: Some(proto_duration(self.settings.ttl)),
+            rate_limit_strategy: Some(strategy),
+        })
+    }
+}
