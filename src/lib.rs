@@ -18,7 +18,6 @@ pub mod json;
 pub mod key;
 pub mod layers;
 pub mod limit;
-pub mod loadgen;
 pub mod metrics;
 pub mod plan;
 pub mod reload;

@@ -6,8 +6,6 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -198,9 +196,7 @@ impl Turnstile {
     }
 
     pub async fn channel(&self) -> Channel {
-        Channel::from_shared(format!("http://{}", self.grpc))
-            .expect("uri")
-            .connect()
+        turnstile_bench::channel(&self.grpc.to_string())
             .await
             .expect("gRPC connect")
     }
@@ -296,23 +292,5 @@ pub async fn http(
         .unwrap_or_else(|_| Err(std::io::Error::other("HTTP timeout")))
 }
 
-pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).into(),
-                value: (*value).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors,
-        hits_addend: 0,
-    }
-}
+// Requests are built as the load generator builds them.
+pub use turnstile_bench::{descriptor, request};
