@@ -13,6 +13,12 @@ use tonic::transport::Channel;
 
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The only variables turnstile inherits from the test's environment. Nearly every setting
+/// has an environment variable (REDIS_URL, SHADOW_MODE, CACHE_KEY_PREFIX ...): one set on a
+/// developer's shell or a CI runner would silently change what a test tests, so each test
+/// passes its settings explicitly.
+pub const INHERITED_ENV: &[&str] = &["PATH", "HOME", "TMPDIR", "RUST_BACKTRACE"];
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -243,6 +249,12 @@ fn spawn(grpc: SocketAddr, http: SocketAddr, args: &[String], env: &[(String, St
     }
     command
         .args(args)
+        .env_clear()
+        .envs(
+            INHERITED_ENV
+                .iter()
+                .filter_map(|k| Some((k, std::env::var_os(k)?))),
+        )
         .env("LOG_LEVEL", "warn")
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
