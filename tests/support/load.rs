@@ -180,11 +180,11 @@ impl Load {
         let calls = Arc::new(AtomicUsize::new(0));
         let started = Instant::now();
         let deadline = started + spec.max_time;
-        let spec_timeout = spec.call_timeout;
+        let call_timeout = spec.call_timeout;
         let mut tasks = JoinSet::new();
         for stream in 0..spec.streams {
             let target = &spec.targets[stream % spec.targets.len()];
-            let calls = Stream {
+            let plan = Stream {
                 target: target.id,
                 request: target.request.clone(),
                 pace: spec.pace,
@@ -197,7 +197,7 @@ impl Load {
             };
             let client = RateLimitServiceClient::new(target.channel.clone());
             tasks.spawn(async move {
-                turnstile_bench::worker(calls, vec![client], 0, spec_timeout).await;
+                turnstile_bench::worker(plan, vec![client], 0, call_timeout).await;
             });
         }
         Load {
