@@ -96,8 +96,9 @@ EOF
 
 # ---------------------------------------------------------------------------------------
 log "building release"
-cargo build --release --quiet
+cargo build --release --quiet --workspace
 BIN="$PWD/target/release/turnstile"
+LOADGEN="$PWD/target/release/turnstile-bench"
 
 # ---------------------------------------------------------------------------------------
 # Redis: a private server on a free port, no persistence.
@@ -189,7 +190,7 @@ load() {
   shift 4
   local watch="turnstile=$TS_PID"
   [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
-  "$BIN" bench --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
+  "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
     --connections "$CONNECTIONS" \
     --key "$rule" --keys "$keys" --duration "${LOAD_DURATION:-$DURATION}" \
     --warmup "${LOAD_WARMUP:-$WARMUP}" --threads 1 \
@@ -318,7 +319,7 @@ rcli FLUSHALL >/dev/null
 for rule in fwh swh tbh; do
   start_turnstile memory
   # A first call so the connections and buffers exist before the baseline.
-  "$BIN" bench --target "$GRPC" --key over --keys 1 --duration 1s --warmup 0s --threads 1 \
+  "$LOADGEN" --target "$GRPC" --key over --keys 1 --duration 1s --warmup 0s --threads 1 \
     --concurrency "$CONCURRENCY" --connections "$CONNECTIONS" --json >/dev/null
   before="$(rss_kb "$TS_PID")"
   prefill "memory/prefill/${ALGO[$rule]}" memory "$rule"

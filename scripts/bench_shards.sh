@@ -5,14 +5,15 @@
 #   scripts/bench_shards.sh [seconds per run, default 10]
 #
 # Starts its own 3 redis-server processes (free loopback ports, no persistence), makes them a
-# Cluster with redis-cli, runs one turnstile per configuration and `turnstile bench` against
+# Cluster with redis-cli, runs one turnstile per configuration and `turnstile-bench` against
 # it, prints one line per run, and stops every process it started (by PID), on failure too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_RUN="${1:-10}"
 
-cargo build --release --quiet
+cargo build --release --quiet --workspace
 BIN=target/release/turnstile
+LOADGEN=target/release/turnstile-bench
 TMP="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -75,7 +76,7 @@ run() { # label, shards
   PIDS+=("$pid")
   for _ in $(seq 200); do curl -sf "http://$http/healthcheck" >/dev/null && break; sleep 0.05; done
   local result
-  result="$("$BIN" bench --target "$grpc" --domain bench --key tenant --keys 1 \
+  result="$("$LOADGEN" --target "$grpc" --domain bench --key tenant --keys 1 \
     --duration "${SECONDS_PER_RUN}s" --warmup 2s --json)"
   echo "$1: $(jq -r '"\(.rps | floor) calls/s, p50 \(.latency_ms.p50) ms, p99 \(.latency_ms.p99) ms, errors \(.errors)"' <<<"$result")"
   kill "$pid"; wait "$pid" 2>/dev/null || true

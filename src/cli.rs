@@ -30,8 +30,6 @@ pub enum Command {
     /// Which rule a descriptor matches, and why; with --instance, where its counter stands.
     /// Exit 0 when every descriptor matches a rule, 1 when one matches none, 2 on errors.
     Explain(crate::explain::ExplainArgs),
-    /// Load a RateLimitService over gRPC and report throughput and latency.
-    Bench(Box<crate::loadgen::BenchArgs>),
 }
 
 #[derive(Debug, Args)]

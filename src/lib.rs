@@ -19,7 +19,6 @@ pub mod key;
 pub mod layers;
 pub mod limit;
 pub mod listener;
-pub mod loadgen;
 pub mod metrics;
 pub mod plan;
 pub mod reload;

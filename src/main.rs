@@ -35,13 +35,6 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check(&args),
         Command::Explain(args) => turnstile::explain::main(&args),
-        Command::Bench(args) => match turnstile::loadgen::main(*args) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("turnstile bench: {error:#}");
-                ExitCode::FAILURE
-            }
-        },
         Command::Serve(args) => {
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(runtime) => runtime,

@@ -1954,3 +1954,43 @@ mod connections {
         drop(flood);
     }
 }
+
+/// Set only in the child test process that `the_callers_environment_does_not_reach_turnstile`
+/// starts: there, `environment_probe` runs with settings exported around it.
+const ENV_PROBE: &str = "TURNSTILE_TEST_ENV_PROBE";
+
+/// The harness starts turnstile with a cleared environment, so settings exported where the
+/// tests run (as on a CI runner) cannot change what they test. This runs `environment_probe`
+/// in a child test process whose environment has SHADOW_MODE (refusals would turn into OK)
+/// and REDIS_URL (the Redis backend, on a port where nothing listens).
+#[test]
+fn the_callers_environment_does_not_reach_turnstile() {
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "environment_probe", "--test-threads", "1"])
+        .env(ENV_PROBE, "1")
+        .env("SHADOW_MODE", "true")
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .output()
+        .expect("run the probe");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}\n{stderr}"
+    );
+}
+
+/// Only does something in the child process above: a memory-backend limit of 1 refuses
+/// its second call, whatever the environment says.
+#[tokio::test]
+async fn environment_probe() {
+    if std::env::var_os(ENV_PROBE).is_none() {
+        return;
+    }
+    let (_rules, t) = start(&[]).await;
+    let one = || request("test", vec![descriptor(&[("narrow", "n")])]);
+    assert_eq!(code(&t.call(one()).await.unwrap()), Code::Ok);
+    assert_eq!(code(&t.call(one()).await.unwrap()), Code::OverLimit);
+}

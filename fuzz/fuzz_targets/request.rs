@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use turnstile::backend::Charging;
-use turnstile::backend::memory::MemoryBackend;
+use turnstile::backend::memory::{DEFAULT_MAX_BYTES, MemoryBackend};
 use turnstile::config::{RuleSet, load_str};
 use turnstile::plan::Plan;
 use turnstile::request::{Bounds, CheckRequest};
@@ -45,7 +45,8 @@ descriptors:
 ";
 
 static RULE_SET: LazyLock<RuleSet> = LazyLock::new(|| load_str("fuzz.yaml", RULES).unwrap());
-static BACKEND: LazyLock<MemoryBackend> = LazyLock::new(|| MemoryBackend::new(10_000));
+static BACKEND: LazyLock<MemoryBackend> =
+    LazyLock::new(|| MemoryBackend::new(10_000, DEFAULT_MAX_BYTES));
 
 fuzz_target!(|data: &[u8]| {
     let Ok(request) = RateLimitRequest::decode(data) else {

@@ -1,9 +1,11 @@
 //! Concurrent load against running turnstile instances, and what to read from it.
 //!
-//! A load is a number of streams (tokio tasks), each calling ShouldRateLimit over and over on
-//! one target (a gRPC channel to one instance, with the request to send), recording when each
-//! call was sent and answered and what it said. Every load is bounded twice: a total number of
-//! calls and a duration; every call is bounded by a client-side timeout.
+//! A load is a number of streams, each a closed-loop worker of the load generator
+//! (`turnstile_bench::worker`) calling ShouldRateLimit over and over on one target (a gRPC
+//! channel to one instance, with the request to send). What only the tests need is here: every
+//! call kept as a sample (when it was sent and answered, what it said), a pace between calls,
+//! and a stop. Every load is bounded twice: a total number of calls and a duration; every
+//! call is bounded by a client-side timeout.
 //!
 //! The time checks below are conservative: a decision is taken somewhere between a call's
 //! `sent` and `answered`, so a set of admissions is known to fall inside an interval only when
@@ -18,6 +20,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
+use turnstile_bench::{Call, Calls};
 
 /// What one call got.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +30,7 @@ pub enum Answer {
     /// Overall OVER_LIMIT, with each status's `limit_remaining`.
     OverLimit(Vec<u32>),
     /// A gRPC error (a transport failure shows as UNAVAILABLE or UNKNOWN; a client-side
-    /// timeout as DEADLINE_EXCEEDED with the message "client timeout").
+    /// timeout as DEADLINE_EXCEEDED with the message `turnstile_bench::CLIENT_TIMEOUT`).
     Failed(tonic::Code, String),
 }
 
@@ -122,6 +125,46 @@ impl Spec {
     }
 }
 
+/// One stream's side of a generator worker: the same request until a bound or the stop,
+/// every answer kept as a sample.
+struct Stream {
+    target: usize,
+    request: RateLimitRequest,
+    pace: Duration,
+    /// Whether a call was made already (the pace comes between calls).
+    paced: bool,
+    deadline: Instant,
+    max_calls: usize,
+    calls: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+}
+
+impl Calls for Stream {
+    async fn next(&mut self) -> Option<(Instant, RateLimitRequest)> {
+        if std::mem::replace(&mut self.paced, true) && !self.pace.is_zero() {
+            tokio::time::sleep(self.pace).await;
+        }
+        let go = !self.stop.load(Ordering::Relaxed)
+            && Instant::now() < self.deadline
+            && self.calls.fetch_add(1, Ordering::Relaxed) < self.max_calls;
+        go.then(|| (Instant::now(), self.request.clone()))
+    }
+
+    fn record(&mut self, call: Call) {
+        let sample = Sample {
+            target: self.target,
+            sent: call.sent,
+            answered: call.answered,
+            answer: Answer::from_result(call.answer),
+        };
+        self.samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(sample);
+    }
+}
+
 pub struct Load {
     stop: Arc<AtomicBool>,
     samples: Arc<Mutex<Vec<Sample>>>,
@@ -137,39 +180,24 @@ impl Load {
         let calls = Arc::new(AtomicUsize::new(0));
         let started = Instant::now();
         let deadline = started + spec.max_time;
+        let call_timeout = spec.call_timeout;
         let mut tasks = JoinSet::new();
         for stream in 0..spec.streams {
-            let target = spec.targets[stream % spec.targets.len()].clone();
-            let (stop, samples, calls) = (stop.clone(), samples.clone(), calls.clone());
-            let (pace, max_calls, call_timeout) = (spec.pace, spec.max_calls, spec.call_timeout);
+            let target = &spec.targets[stream % spec.targets.len()];
+            let plan = Stream {
+                target: target.id,
+                request: target.request.clone(),
+                pace: spec.pace,
+                paced: false,
+                deadline,
+                max_calls: spec.max_calls,
+                calls: calls.clone(),
+                stop: stop.clone(),
+                samples: samples.clone(),
+            };
+            let client = RateLimitServiceClient::new(target.channel.clone());
             tasks.spawn(async move {
-                let mut client = RateLimitServiceClient::new(target.channel.clone());
-                while !stop.load(Ordering::Relaxed)
-                    && Instant::now() < deadline
-                    && calls.fetch_add(1, Ordering::Relaxed) < max_calls
-                {
-                    let sent = Instant::now();
-                    let call = client.should_rate_limit(target.request.clone());
-                    let answer = match tokio::time::timeout(call_timeout, call).await {
-                        Ok(result) => Answer::from_result(result.map(tonic::Response::into_inner)),
-                        Err(_) => {
-                            Answer::Failed(tonic::Code::DeadlineExceeded, "client timeout".into())
-                        }
-                    };
-                    let sample = Sample {
-                        target: target.id,
-                        sent,
-                        answered: Instant::now(),
-                        answer,
-                    };
-                    samples
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(sample);
-                    if !pace.is_zero() {
-                        tokio::time::sleep(pace).await;
-                    }
-                }
+                turnstile_bench::worker(plan, vec![client], 0, call_timeout).await;
             });
         }
         Load {

@@ -6,14 +6,18 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
 
 const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The only variables turnstile inherits from the test's environment. Nearly every setting
+/// has an environment variable (REDIS_URL, SHADOW_MODE, CACHE_KEY_PREFIX ...): one set on a
+/// developer's shell or a CI runner would silently change what a test tests, so each test
+/// passes its settings explicitly.
+pub const INHERITED_ENV: &[&str] = &["PATH", "HOME", "TMPDIR", "RUST_BACKTRACE"];
 
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -207,9 +211,7 @@ impl Turnstile {
     }
 
     pub async fn channel(&self) -> Channel {
-        Channel::from_shared(format!("http://{}", self.grpc))
-            .expect("uri")
-            .connect()
+        turnstile_bench::channel(&self.grpc.to_string())
             .await
             .expect("gRPC connect")
     }
@@ -270,6 +272,12 @@ fn spawn(
     }
     command
         .args(args)
+        .env_clear()
+        .envs(
+            INHERITED_ENV
+                .iter()
+                .filter_map(|k| Some((k, std::env::var_os(k)?))),
+        )
         .env("LOG_LEVEL", "warn")
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
@@ -319,23 +327,5 @@ pub async fn http(
         .unwrap_or_else(|_| Err(std::io::Error::other("HTTP timeout")))
 }
 
-pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).into(),
-                value: (*value).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors,
-        hits_addend: 0,
-    }
-}
+// Requests are built as the load generator builds them.
+pub use turnstile_bench::{descriptor, request};

@@ -1,5 +1,7 @@
-//! `turnstile bench`: a gRPC load generator for any `RateLimitService` (this one or the
-//! reference), so throughput and latency are measured the way Envoy calls the service.
+//! `turnstile-bench`: a gRPC load generator for any `RateLimitService` (turnstile or the
+//! reference), so throughput and latency are measured the way Envoy calls the service. A
+//! crate of its own so the service binary carries no load-testing code; turnstile's tests
+//! drive their loads with its [`worker`], [`channel`] and request builders.
 //!
 //! Closed loop (the default): `--concurrency` calls are kept in flight, each worker sending
 //! its next call when the previous one answers; this finds the peak rate. Open loop
@@ -25,6 +27,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use hdrhistogram::Histogram;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
+
+/// The message of the DEADLINE_EXCEEDED a call gets when it passes the client-side bound.
+pub const CLIENT_TIMEOUT: &str = "client timeout";
 
 fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
@@ -181,7 +186,7 @@ impl Tally {
 
     fn record(
         &mut self,
-        answer: &Result<RateLimitResponse, String>,
+        answer: &Result<RateLimitResponse, tonic::Status>,
         latency: Duration,
         service: Duration,
     ) {
@@ -195,7 +200,14 @@ impl Tally {
                     _ => self.other += 1,
                 }
             }
-            Err(kind) => *self.errors.entry(kind.clone()).or_default() += 1,
+            Err(status) => {
+                let kind = if status.message() == CLIENT_TIMEOUT {
+                    "Timeout".to_owned()
+                } else {
+                    format!("{:?}", status.code())
+                };
+                *self.errors.entry(kind).or_default() += 1;
+            }
         }
     }
 
@@ -243,20 +255,33 @@ impl Requests {
                 let mut value = String::with_capacity(self.prefix.len() + 8);
                 value.push_str(&self.prefix);
                 let _ = write!(value, "{}", self.value(rng));
-                RateLimitDescriptor {
-                    entries: vec![Entry {
-                        key: self.keys[i % self.keys.len()].clone(),
-                        value,
-                    }],
-                    ..Default::default()
-                }
+                descriptor(&[(&self.keys[i % self.keys.len()], &value)])
             })
             .collect();
-        RateLimitRequest {
-            domain: self.domain.clone(),
-            descriptors,
-            hits_addend: 0,
-        }
+        request(&self.domain, descriptors)
+    }
+}
+
+/// A descriptor of these `(key, value)` entries.
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).into(),
+                value: (*value).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A request for `domain` (hits_addend 0: one hit each).
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
     }
 }
 
@@ -379,61 +404,101 @@ impl Run {
     }
 }
 
-async fn call(
-    client: &mut RateLimitServiceClient<Channel>,
-    request: RateLimitRequest,
-    timeout: Duration,
-) -> Result<RateLimitResponse, String> {
-    match tokio::time::timeout(timeout, client.should_rate_limit(request)).await {
-        Ok(Ok(response)) => Ok(response.into_inner()),
-        Ok(Err(status)) => Err(format!("{:?}", status.code())),
-        Err(_) => Err("Timeout".into()),
-    }
+/// One call a worker made.
+#[derive(Debug)]
+pub struct Call {
+    /// When it was due: its send time in a closed loop, its slot in an open loop.
+    pub due: std::time::Instant,
+    pub sent: std::time::Instant,
+    pub answered: std::time::Instant,
+    /// A call past the worker's bound is DEADLINE_EXCEEDED with the message [`CLIENT_TIMEOUT`].
+    pub answer: Result<RateLimitResponse, tonic::Status>,
 }
 
-async fn worker(
-    run: Arc<Run>,
+/// What a [`worker`] sends, and what it does with the answers.
+pub trait Calls: Send {
+    /// The next call, once it may leave: when it was due, and the request. None ends the
+    /// worker.
+    fn next(
+        &mut self,
+    ) -> impl Future<Output = Option<(std::time::Instant, RateLimitRequest)>> + Send;
+    fn record(&mut self, call: Call);
+}
+
+/// A closed-loop worker: sends each call of `calls` when the one before has answered, on
+/// `clients` in turn from `first`, each bounded by `timeout`. Returns `calls` when it ends.
+pub async fn worker<C: Calls>(
+    mut calls: C,
     mut clients: Vec<RateLimitServiceClient<Channel>>,
     first: usize,
-    seed: u64,
     timeout: Duration,
-) -> Tally {
-    let mut tally = Tally::new();
-    let mut rng = fastrand::Rng::with_seed(seed);
+) -> C {
     let mut turn = first;
-    while let Some(due) = run.next_call().await {
-        let request = run.requests.build(&mut rng);
+    while let Some((due, request)) = calls.next().await {
         let count = clients.len();
         let client = &mut clients[turn % count];
         turn = turn.wrapping_add(1);
-        let sent = Instant::now();
-        let answer = call(client, request, timeout).await;
-        if due >= run.measure_from {
-            let answered = Instant::now();
-            tally.record(&answer, answered - due, answered - sent);
+        let sent = std::time::Instant::now();
+        let answer = match tokio::time::timeout(timeout, client.should_rate_limit(request)).await {
+            Ok(answer) => answer.map(tonic::Response::into_inner),
+            Err(_) => Err(tonic::Status::deadline_exceeded(CLIENT_TIMEOUT)),
+        };
+        calls.record(Call {
+            due,
+            sent,
+            answered: std::time::Instant::now(),
+            answer,
+        });
+    }
+    calls
+}
+
+/// The generator's side of a worker: requests from the run's plan, answers into a tally
+/// once measuring has begun.
+struct Generated {
+    run: Arc<Run>,
+    rng: fastrand::Rng,
+    tally: Tally,
+}
+
+impl Calls for Generated {
+    async fn next(&mut self) -> Option<(std::time::Instant, RateLimitRequest)> {
+        let due = self.run.next_call().await?;
+        Some((due.into_std(), self.run.requests.build(&mut self.rng)))
+    }
+
+    fn record(&mut self, call: Call) {
+        if call.due >= self.run.measure_from.into_std() {
+            self.tally.record(
+                &call.answer,
+                call.answered - call.due,
+                call.answered - call.sent,
+            );
         }
     }
-    tally
+}
+
+/// One HTTP/2 channel to `target` (`host:port`, or a URI).
+pub async fn channel(target: &str) -> anyhow::Result<Channel> {
+    let uri = if target.contains("://") {
+        target.to_owned()
+    } else {
+        format!("http://{target}")
+    };
+    Endpoint::from_shared(uri.clone())
+        .with_context(|| format!("invalid target {target}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to {uri}"))
 }
 
 async fn connect(targets: &[String], per_target: usize) -> anyhow::Result<Vec<Channel>> {
     let mut channels = Vec::with_capacity(targets.len() * per_target);
     for _ in 0..per_target {
         for target in targets {
-            let uri = if target.contains("://") {
-                target.clone()
-            } else {
-                format!("http://{target}")
-            };
-            let endpoint = Endpoint::from_shared(uri.clone())
-                .with_context(|| format!("invalid target {target}"))?
-                .tcp_nodelay(true)
-                .connect_timeout(Duration::from_secs(5));
-            let channel = endpoint
-                .connect()
-                .await
-                .with_context(|| format!("cannot connect to {uri}"))?;
-            channels.push(channel);
+            channels.push(channel(target).await?);
         }
     }
     Ok(channels)
@@ -545,7 +610,7 @@ impl Report {
             None => format!("closed loop, {} in flight", a.concurrency),
         };
         let mut out = format!(
-            "turnstile bench: {mode}, {} connection(s) to {}; domain {}, {} descriptor(s) per \
+            "turnstile-bench: {mode}, {} connection(s) to {}; domain {}, {} descriptor(s) per \
              request, {} key(s) ({:?})\n",
             a.connections * a.targets.len(),
             a.targets.join(","),
@@ -680,18 +745,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     let seed = fastrand::u64(..);
     let workers: Vec<_> = (0..args.concurrency)
         .map(|i| {
-            tokio::spawn(worker(
-                run.clone(),
-                clients.clone(),
-                i,
-                seed.wrapping_add(i as u64),
-                args.timeout,
-            ))
+            let calls = Generated {
+                run: run.clone(),
+                rng: fastrand::Rng::with_seed(seed.wrapping_add(i as u64)),
+                tally: Tally::new(),
+            };
+            tokio::spawn(worker(calls, clients.clone(), i, args.timeout))
         })
         .collect();
     let mut total = Tally::new();
     for worker in workers {
-        total.merge(worker.await.context("a load worker failed")?);
+        total.merge(worker.await.context("a load worker failed")?.tally);
     }
     // Counted calls were sent from `measure_from` on; the last of them answered by now.
     let seconds = match args.rate {
@@ -734,7 +798,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     })
 }
 
-/// The `bench` command: run, print, and fail when no call succeeded.
+/// The `turnstile-bench` command: run, print, and fail when no call succeeded.
 pub fn main(args: BenchArgs) -> anyhow::Result<Report> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if args.threads > 0 {
