@@ -182,7 +182,7 @@ async fn a_refused_request_consumes_nothing_on_its_other_descriptors() {
 async fn the_reference_answers_where_clients_see_them() {
     let rules = Rules::new(support::reference::RULES);
     let t = Turnstile::start(rules.path(), &[]).await;
-    support::reference::check(&t).await;
+    support::reference::check(&t, false).await;
 }
 
 #[tokio::test]

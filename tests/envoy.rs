@@ -365,6 +365,9 @@ async fn call_failures(envoy: &Envoy) -> CallFailures {
     }
 }
 
+/// Clients sending back to back while an instance is killed.
+const CLIENTS: u64 = 4;
+
 #[tokio::test]
 async fn a_killed_instance_lets_no_request_through_unlimited() {
     let binary = envoy_or_skip!("a_killed_instance_lets_no_request_through_unlimited");
@@ -394,8 +397,10 @@ async fn a_killed_instance_lets_no_request_through_unlimited() {
         }
         Some(killed.elapsed())
     };
-    let (replies, ejected_after) =
-        tokio::join!(futures_util::future::join_all((0..4).map(worker)), kill);
+    let (replies, ejected_after) = tokio::join!(
+        futures_util::future::join_all((0..CLIENTS as u16).map(worker)),
+        kill
+    );
     let mut tally = Tally::default();
     replies.iter().flatten().for_each(|r| tally.count(r));
     let retries = top.envoy.stats("cluster.turnstile.upstream_rq_retry").await;
@@ -410,13 +415,15 @@ async fn a_killed_instance_lets_no_request_through_unlimited() {
     );
     assert_eq!(tally.refused, 0, "{tally:?}");
     // Every call that met the dead instance before it was sent went to the other one: the
-    // only failures Envoy itself answered are timeouts and the calls the instance took down.
+    // only failures Envoy itself answered are timeouts and the calls the instance took down
+    // with it, at most one per client (each has one call in flight). Envoy counts the latter
+    // as resets or as 5xx of a destroyed connection, so they are bounded by the clients.
     assert!(
-        failures.not_retried <= failures.timed_out + failures.in_flight,
+        failures.not_retried <= failures.timed_out + CLIENTS,
         "{failures:?}"
     );
     assert!(
-        failures.in_flight <= 4,
+        failures.in_flight <= CLIENTS,
         "one call per client at most: {failures:?}"
     );
     assert!(

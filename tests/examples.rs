@@ -794,6 +794,14 @@ fn every_descriptor_the_examples_send_matches_a_rule() {
     let mut checked = BTreeMap::new();
     for path in envoy_bootstraps() {
         let bootstrap = load_yaml(&path).remove(0);
+        // A bootstrap without the ratelimit filter (the RLQS example) sends no descriptors;
+        // tests/rlqs.rs drives its bucket ids against the rules.
+        if !bootstrap
+            .to_string()
+            .contains("envoy.filters.http.ratelimit\"")
+        {
+            continue;
+        }
         let (count, problems) = unmatched(&bootstrap, &root().join("config"));
         assert!(
             problems.is_empty(),
