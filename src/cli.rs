@@ -29,7 +29,7 @@ pub enum Command {
     Check(CheckArgs),
     /// Which rule a descriptor matches, and why; with --instance, where its counter stands.
     /// Exit 0 when every descriptor matches a rule, 1 when one matches none, 2 on errors.
-    Explain(crate::explain::ExplainArgs),
+    Explain(ExplainArgs),
 }
 
 #[derive(Debug, Args)]
@@ -39,6 +39,31 @@ pub struct CheckArgs {
 }
 
 /// Where the rules are: `--config`, or else the reference's runtime layout.
+/// `turnstile explain`: which rule a descriptor matches, and why (see `explain`).
+#[derive(Debug, Args)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub rules: RulesArgs,
+    /// The domain the request was sent with (the Envoy filter's `domain`).
+    #[arg(long)]
+    pub domain: String,
+    /// One descriptor as `key=value,key=value` (values without commas); repeat it for every
+    /// descriptor of the request.
+    #[arg(
+        long = "descriptor",
+        short = 'd',
+        value_name = "KEY=VALUE[,KEY=VALUE...]"
+    )]
+    pub descriptors: Vec<String>,
+    /// The entries of one descriptor, in order (any value, commas included).
+    #[arg(value_name = "KEY=VALUE")]
+    pub entries: Vec<String>,
+    /// A running instance's gRPC address (`host:port` or a URL): also show, for every
+    /// descriptor, what it answers now (remaining, reset), read without charging.
+    #[arg(long, value_name = "ADDRESS")]
+    pub instance: Option<String>,
+}
+
 #[derive(Debug, Args)]
 pub struct RulesArgs {
     /// A rules file, or a directory whose *.yaml / *.yml files are loaded. Without it, the

@@ -13,7 +13,6 @@ use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Args;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
@@ -22,36 +21,12 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
 
-use crate::cli::RulesArgs;
+use crate::cli::ExplainArgs;
 use crate::config::{DomainRules, Miss, Rule, RuleSet};
 use crate::limit::{Algorithm, Limit};
 
 /// How long the instance gets to answer, connection included.
 const INSTANCE_TIMEOUT: Duration = Duration::from_secs(5);
-
-#[derive(Debug, Args)]
-pub struct ExplainArgs {
-    #[command(flatten)]
-    pub rules: RulesArgs,
-    /// The domain the request was sent with (the Envoy filter's `domain`).
-    #[arg(long)]
-    pub domain: String,
-    /// One descriptor as `key=value,key=value` (values without commas); repeat it for every
-    /// descriptor of the request.
-    #[arg(
-        long = "descriptor",
-        short = 'd',
-        value_name = "KEY=VALUE[,KEY=VALUE...]"
-    )]
-    pub descriptors: Vec<String>,
-    /// The entries of one descriptor, in order (any value, commas included).
-    #[arg(value_name = "KEY=VALUE")]
-    pub entries: Vec<String>,
-    /// A running instance's gRPC address (`host:port` or a URL): also show, for every
-    /// descriptor, what it answers now (remaining, reset), read without charging.
-    #[arg(long, value_name = "ADDRESS")]
-    pub instance: Option<String>,
-}
 
 /// One descriptor of the question: its entries, in order.
 type Entries = Vec<(String, String)>;

@@ -6,48 +6,10 @@
 //! in this process at `local_share` of each limit, so that N instances with a share of 1/N
 //! stay close to the global limit while Redis is away.
 
-use std::fmt;
 use std::time::Duration;
 
 use crate::backend::memory::MemoryBackend;
-use crate::backend::{BackendError, Charging, Hit, Outcome};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FailurePolicy {
-    #[default]
-    Error,
-    Allow,
-    Deny,
-    Local,
-}
-
-impl FailurePolicy {
-    pub const ALL: [FailurePolicy; 4] = [
-        FailurePolicy::Error,
-        FailurePolicy::Allow,
-        FailurePolicy::Deny,
-        FailurePolicy::Local,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            FailurePolicy::Error => "error",
-            FailurePolicy::Allow => "allow",
-            FailurePolicy::Deny => "deny",
-            FailurePolicy::Local => "local",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<FailurePolicy> {
-        FailurePolicy::ALL.into_iter().find(|p| p.name() == name)
-    }
-}
-
-impl fmt::Display for FailurePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::decision::{BackendError, Charging, FailurePolicy, Hit, Outcome};
 
 /// How long a fail-closed answer tells the client to wait: about when the circuit breaker
 /// next probes the backend.
@@ -121,7 +83,7 @@ impl Fallback {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Role;
+    use crate::decision::Role;
     use crate::limit::{Limit, Unit};
 
     fn hit(limit: u32) -> Hit {

@@ -20,7 +20,7 @@ use metrics::{
 use metrics_exporter_prometheus::PrometheusRecorder;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-use crate::backend::{BackendError, Outcome};
+use crate::decision::{BackendError, Outcome};
 use crate::statsd::StatsdRecorder;
 
 /// gRPC methods with their own series; any other path is counted as "other".

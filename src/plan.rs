@@ -9,9 +9,9 @@
 use std::collections::HashSet;
 
 use crate::algorithm::LeaseOp;
-use crate::backend::{Hit, Outcome, Role};
 use crate::config::{DomainRules, Rule, RuleSet};
-use crate::fallback::FailurePolicy;
+use crate::decision::FailurePolicy;
+use crate::decision::{Hit, Outcome, Role};
 use crate::key::{Shard, limit_key};
 use crate::limit::{Algorithm, Limit};
 use crate::metrics::StatsKey;

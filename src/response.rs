@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, ListValue, Struct, Value};
 
-use crate::backend::{Outcome, Role, request_refused};
+use crate::decision::{Outcome, Role, request_refused};
 use crate::limit::Limit;
 use crate::plan::{Applied, Decision, Plan};
 

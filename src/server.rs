@@ -19,6 +19,7 @@ use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
+use crate::backend::Backend;
 use crate::backend::breaker::{Breaker, BreakerConfig};
 use crate::backend::deferred::Deferred;
 use crate::backend::leased::Leased;
@@ -26,11 +27,12 @@ use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
-use crate::backend::{Backend, Charging};
 use crate::cli::{
     BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
 };
-use crate::fallback::{FailurePolicy, Fallback};
+use crate::decision::Charging;
+use crate::decision::FailurePolicy;
+use crate::fallback::Fallback;
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
 use crate::listener::{self, Handshake, Port};

@@ -13,8 +13,10 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::active::ActiveRules;
-use crate::backend::{self, Backend, BackendError, Charging, Outcome, Role};
-use crate::fallback::{FailurePolicy, Fallback};
+use crate::backend::{self, Backend};
+use crate::decision::FailurePolicy;
+use crate::decision::{BackendError, Charging, Outcome, Role};
+use crate::fallback::Fallback;
 use crate::metrics::{Metrics, RuleHit};
 use crate::plan::{Decision, Plan};
 use crate::request::{Bounds, CheckRequest};

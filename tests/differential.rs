@@ -17,7 +17,7 @@ use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::{LeaseOp, Micros};
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::backend::{Charging, Hit, Outcome, Role};
+use turnstile::decision::{Charging, Hit, Outcome, Role};
 use turnstile::limit::{Algorithm, Limit, Unit};
 
 /// Sequences per run, and requests per sequence: ~2 400 requests on each of the three

@@ -7,7 +7,7 @@ use std::sync::LazyLock;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use turnstile::backend::Charging;
+use turnstile::decision::Charging;
 use turnstile::backend::memory::{DEFAULT_MAX_BYTES, MemoryBackend};
 use turnstile::config::{RuleSet, load_str};
 use turnstile::plan::Plan;

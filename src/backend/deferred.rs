@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::{Backend, BackendError, Charging, Hit, Outcome};
+use super::Backend;
+use crate::decision::{BackendError, Charging, Hit, Outcome};
 
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 const MAX_RETRY: Duration = Duration::from_secs(5);

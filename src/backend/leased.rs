@@ -13,8 +13,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::{Backend, BackendError, Charging, Hit, Outcome, Role};
+use super::Backend;
 use crate::algorithm::MICROS_PER_SECOND;
+use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::limit::{Algorithm, Limit};
 
 /// Units granted by Redis, not yet spent by this instance.

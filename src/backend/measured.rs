@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Backend, BackendError, Charging, Hit, Outcome};
+use super::Backend;
+use crate::decision::{BackendError, Charging, Hit, Outcome};
 use crate::metrics::Metrics;
 
 pub struct Measured<B> {

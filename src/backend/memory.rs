@@ -29,12 +29,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use indexmap::IndexMap;
 use metrics::Counter;
 
-use super::{Backend, BackendError, Charging, Hit, Outcome, request_refused};
+use super::Backend;
 use crate::algorithm::concurrency::{self, Concurrency};
 use crate::algorithm::fixed_window::{self, FixedWindow};
 use crate::algorithm::sliding_window::{self, SlidingWindow};
 use crate::algorithm::token_bucket::{self, TokenBucket};
 use crate::algorithm::{Algorithm, Cost, Micros, Verdict};
+use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 use crate::limit::{Algorithm as Kind, Limit};
 
 const SHARDS: usize = 64;
@@ -434,7 +435,7 @@ impl Backend for MemoryBackend {
 mod tests {
     use super::*;
     use crate::algorithm::LeaseOp;
-    use crate::backend::Role;
+    use crate::decision::Role;
     use crate::limit::Unit;
     use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -19,7 +19,8 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::{Backend, BackendError, Charging, Hit, Outcome, Role};
+use super::Backend;
+use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::limit::{Algorithm, Limit};
 use crate::metrics::Metrics;
 

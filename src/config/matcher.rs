@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::fallback::FailurePolicy;
+use crate::decision::FailurePolicy;
 use crate::limit::{Algorithm, Limit};
 
 /// Every loaded domain, and what they were loaded from; the default is no rules at all.

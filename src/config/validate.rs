@@ -9,7 +9,7 @@ use super::ConfigError;
 use super::matcher::{DomainRules, Level, Rule, Step};
 use super::model::{DescriptorSpec, DomainSpec, RateLimitSpec};
 use super::yaml::Pos;
-use crate::fallback::FailurePolicy;
+use crate::decision::FailurePolicy;
 use crate::limit::{Algorithm, Limit, Unit};
 
 /// A sliding window keeps one entry per admitted request, so its limit is capped to bound the

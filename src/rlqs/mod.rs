@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use metrics::{Counter, Gauge, Label};
 
-use crate::fallback::FailurePolicy;
+use crate::decision::FailurePolicy;
 use crate::metrics::Metrics;
 use crate::request::Bounds;
 pub use store::{MemoryShares, ShareStore};

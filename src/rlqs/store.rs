@@ -9,8 +9,8 @@ use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::share::{self, HYSTERESIS, IDLE_WEIGHT, Others};
-use crate::backend::BackendError;
 use crate::backend::redis::{Lua, RedisBackend};
+use crate::decision::BackendError;
 
 static SHARE_SCRIPT: LazyLock<Lua> =
     LazyLock::new(|| Lua::new(include_str!("../../lua/rlqs_share.lua")));

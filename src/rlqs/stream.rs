@@ -33,7 +33,7 @@ use super::store::{Demand, MemoryShares, ShareStore};
 use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
 use crate::active::ActiveRules;
 use crate::config::DomainRules;
-use crate::fallback::FailurePolicy;
+use crate::decision::FailurePolicy;
 use crate::metrics::{Metrics, StatsKey};
 
 /// What a bucket's first report is taken to cover (Envoy reports every 5 s).

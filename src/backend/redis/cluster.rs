@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 use super::Shared;
 use super::script::{Call, Mode, Reply, role_letter};
 use crate::algorithm::Micros;
-use crate::backend::{BackendError, Charging, Hit, Outcome, request_refused};
+use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 
 /// Indices of the hits, grouped by the slot of their key, in order of first appearance.
 pub(super) fn group_by_slot(keys: &[String]) -> Vec<Vec<usize>> {

@@ -7,6 +7,7 @@
 //! script call; `cluster` reserves them per slot and refunds the reservation when the request
 //! is refused as a whole.
 
+mod client;
 mod clock;
 mod cluster;
 mod connect;
@@ -100,7 +101,7 @@ impl Default for RedisConfig {
 // URLs may carry passwords: print them redacted.
 impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let urls: Vec<String> = self.urls.iter().map(|u| connect::redact(u)).collect();
+        let urls: Vec<String> = self.urls.iter().map(|u| client::redact(u)).collect();
         f.debug_struct("RedisConfig")
             .field("urls", &urls)
             .field("mode", &self.mode)

@@ -16,7 +16,7 @@ use crate::algorithm::fixed_window::FixedWindow;
 use crate::algorithm::sliding_window::SlidingWindow;
 use crate::algorithm::token_bucket::TokenBucket;
 use crate::algorithm::{LeaseOp, Micros};
-use crate::backend::{BackendError, Hit, Outcome, Role};
+use crate::decision::{BackendError, Hit, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
 struct Batch {

@@ -19,8 +19,8 @@ use ::redis::{AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, Red
 use arc_swap::ArcSwap;
 
 use super::RedisConfig;
-use super::connect::{RoundRobin, manager_config, managers, unavailable};
-use crate::backend::BackendError;
+use super::client::{RoundRobin, manager_config, managers, unavailable};
+use crate::decision::BackendError;
 
 const MIN_LOOKUP_INTERVAL: Duration = Duration::from_millis(200);
 /// How often the Sentinels are asked where the master is, failing or not.

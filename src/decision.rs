@@ -1,0 +1,173 @@
+//! The vocabulary every layer shares about one decision: the hits a request becomes, how a
+//! refusal charges them, their outcomes, what can go wrong in a backend and what to answer
+//! then. It sits below `config`, `metrics` and `backend`, so that none of them imports
+//! another for a word (a rule names a failure policy; a metric counts an outcome) and the
+//! layers point one way: vocabulary, then rules and metrics, then backends.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::algorithm::{Cost, LeaseOp};
+use crate::limit::Limit;
+
+/// How a hit's verdict bears on the request's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A refusal refuses the request.
+    Enforce,
+    /// Counted and reported, never refuses (`shadow_mode`).
+    Shadow,
+    /// Soft limit: the request is refused only when every quota hit of it is refused.
+    Quota,
+}
+
+/// One descriptor's share of a request: `hits` units against `limit` on the state `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hit {
+    pub key: String,
+    pub limit: Limit,
+    pub hits: u64,
+    pub role: Role,
+    /// For a concurrency limit: the request's lease, taken or given back.
+    pub lease: Option<(LeaseOp, String)>,
+}
+
+impl Hit {
+    /// What the algorithm is asked.
+    pub fn cost(&self) -> Cost<'_> {
+        Cost {
+            units: self.hits,
+            lease: self.lease.as_ref().map(|(op, id)| (*op, id.as_str())),
+        }
+    }
+
+    /// A lease given back: applied whatever the rest of the request says, since the request
+    /// it belonged to is over.
+    pub fn releases(&self) -> bool {
+        matches!(self.lease, Some((LeaseOp::Release, _)))
+    }
+}
+
+/// When a request is refused, what its admitted hits cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Charging {
+    /// Nothing: the request is all or nothing (the default).
+    #[default]
+    Atomic,
+    /// Each admitted hit is charged whatever the others say, as the reference does.
+    PerDescriptor,
+    /// None: the request is already refused elsewhere (a cached refusal). The hits are still
+    /// evaluated, for their figures.
+    Nothing,
+}
+
+/// The verdict on one hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub admitted: bool,
+    pub remaining: u32,
+    /// Admitted: until the limit is back to full. Refused: until the same hit would pass.
+    pub reset_after: Duration,
+}
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum BackendError {
+    #[error("backend timed out")]
+    Timeout,
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    #[error("backend is full: {0}")]
+    Full(String),
+    #[error("backend circuit open: failing fast")]
+    CircuitOpen,
+}
+
+impl BackendError {
+    /// A short name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendError::Timeout => "backend_timeout",
+            BackendError::Unavailable(_) => "backend_unavailable",
+            BackendError::Full(_) => "backend_full",
+            BackendError::CircuitOpen => "circuit_open",
+        }
+    }
+
+    pub const KINDS: [&'static str; 4] = [
+        "backend_timeout",
+        "backend_unavailable",
+        "backend_full",
+        "circuit_open",
+    ];
+}
+
+/// Whether the request as a whole is refused, given each hit's role and admission: any
+/// enforced hit refused, or quota hits present and all of them refused. The Lua batch
+/// driver applies the same rule.
+pub fn request_refused(verdicts: impl IntoIterator<Item = (Role, bool)>) -> bool {
+    let (mut quota_seen, mut quota_all_refused) = (false, true);
+    for (role, admitted) in verdicts {
+        match role {
+            Role::Enforce if !admitted => return true,
+            Role::Quota => {
+                quota_seen = true;
+                quota_all_refused &= !admitted;
+            }
+            _ => {}
+        }
+    }
+    quota_seen && quota_all_refused
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    #[default]
+    Error,
+    Allow,
+    Deny,
+    Local,
+}
+
+impl FailurePolicy {
+    pub const ALL: [FailurePolicy; 4] = [
+        FailurePolicy::Error,
+        FailurePolicy::Allow,
+        FailurePolicy::Deny,
+        FailurePolicy::Local,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FailurePolicy::Error => "error",
+            FailurePolicy::Allow => "allow",
+            FailurePolicy::Deny => "deny",
+            FailurePolicy::Local => "local",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<FailurePolicy> {
+        FailurePolicy::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+impl fmt::Display for FailurePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Role::*;
+
+    #[test]
+    fn request_refusal_follows_roles() {
+        assert!(!request_refused([]));
+        assert!(!request_refused([(Enforce, true), (Shadow, false)]));
+        assert!(request_refused([(Enforce, true), (Enforce, false)]));
+        assert!(!request_refused([(Quota, false), (Quota, true)]));
+        assert!(request_refused([(Quota, false), (Quota, false)]));
+        assert!(request_refused([(Quota, true), (Enforce, false)]));
+    }
+}
