@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use turnstile::active::ActiveRules;
 use turnstile::backend::memory::MemoryBackend;
@@ -23,6 +22,7 @@ use turnstile::metrics::Metrics;
 use turnstile::plan::Plan;
 use turnstile::request::{Bounds, CheckRequest};
 use turnstile::service::{RateLimiter, Settings};
+use turnstile_bench::descriptor;
 
 const TENANTS: usize = 4_950;
 const WILDCARDS: usize = 100;
@@ -51,25 +51,9 @@ fn rules() -> RuleSet {
     rules
 }
 
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).into(),
-                value: (*value).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
+/// A request to the benchmark's domain.
 fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: "bench".into(),
-        descriptors,
-        hits_addend: 0,
-    }
+    turnstile_bench::request("bench", descriptors)
 }
 
 fn lookup(c: &mut Criterion) {
