@@ -589,7 +589,7 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
 }
 
 #[tokio::test]
-async fn grpc_health_reports_serving_and_sigterm_stops_gracefully() {
+async fn grpc_health_reports_serving_under_every_name_and_sigterm_exits_zero() {
     let (_rules, mut t) = start(&[]).await;
     let mut health = HealthClient::new(t.channel().await);
     for service in [

@@ -1060,58 +1060,83 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
 
 // ---- TLS ----------------------------------------------------------------------------------
 
+/// A Redis server with a TLS port that requires a client certificate, its private CA, and a
+/// client certificate, all as PEM files in `dir` (plain `server` stays reachable for checks).
+struct TlsRedis {
+    server: RedisServer,
+    tls_port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl TlsRedis {
+    fn start() -> TlsRedis {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+        // Distinct names: OpenSSL takes a certificate whose subject is its issuer's for a
+        // self-signed one.
+        let params = |names: Vec<String>, common_name: &str| {
+            let mut params = CertificateParams::new(names).unwrap();
+            params
+                .distinguished_name
+                .push(DnType::CommonName, common_name);
+            params
+        };
+        let mut ca_params = params(Vec::new(), "turnstile test CA");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, pem: &str| std::fs::write(dir.path().join(name), pem).unwrap();
+        for (name, file) in [("127.0.0.1", "server"), ("turnstile", "client")] {
+            let key = KeyPair::generate().unwrap();
+            let cert = params(vec![name.to_owned()], name)
+                .signed_by(&key, &ca)
+                .unwrap();
+            write(&format!("{file}.pem"), &cert.pem());
+            write(&format!("{file}.key"), &key.serialize_pem());
+        }
+        write("ca.pem", &ca.pem());
+        let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        let server = RedisServer::start_with(&format!(
+            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients yes\n",
+            path("server.pem"),
+            path("server.key"),
+            path("ca.pem"),
+        ));
+        TlsRedis {
+            server,
+            tls_port,
+            dir,
+        }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    fn pem(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.dir.path().join(name)).unwrap()
+    }
+}
+
 #[tokio::test]
 async fn tls_with_a_private_ca_and_a_client_certificate() {
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
     use turnstile::backend::redis::RedisTls;
 
-    // Distinct names: OpenSSL takes a certificate whose subject is its issuer's for a
-    // self-signed one.
-    let params = |names: Vec<String>, common_name: &str| {
-        let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params
-    };
-    let mut ca_params = params(Vec::new(), "turnstile test CA");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-    let leaf = |name: &str| {
-        let key = KeyPair::generate().unwrap();
-        let cert = params(vec![name.to_owned()], name)
-            .signed_by(&key, &ca)
-            .unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf("127.0.0.1");
-    let (client_cert, client_key) = leaf("turnstile");
-    let dir = tempfile::tempdir().unwrap();
-    let file = |name: &str, pem: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, pem).unwrap();
-        path.display().to_string()
-    };
-    let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let _server = RedisServer::start_with(&format!(
-        "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients yes\n",
-        file("server.pem", &server_cert),
-        file("server.key", &server_key),
-        file("ca.pem", &ca.pem()),
-    ));
-    let url = format!("rediss://127.0.0.1:{tls_port}");
+    let tls = TlsRedis::start();
+    let url = format!("rediss://127.0.0.1:{}", tls.tls_port);
     let with = |tls: RedisTls| RedisConfig {
         tls,
         ..config(vec![url.clone()], RedisMode::Single, "")
     };
 
     let full = with(RedisTls {
-        ca: Some(ca.pem().into_bytes()),
-        client: Some((client_cert.into_bytes(), client_key.into_bytes())),
+        ca: Some(tls.pem("ca.pem")),
+        client: Some((tls.pem("client.pem"), tls.pem("client.key"))),
     });
     let backend = RedisBackend::connect(&full)
         .await
@@ -1120,7 +1145,7 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
     assert_eq!(one(&backend, &h).await.remaining, 4);
 
     let no_client_cert = with(RedisTls {
-        ca: Some(ca.pem().into_bytes()),
+        ca: Some(tls.pem("ca.pem")),
         client: None,
     });
     assert!(
@@ -1184,6 +1209,200 @@ async fn a_redis_url_without_a_backend_type_means_the_redis_backend() {
         .unwrap();
     assert_eq!(answer.statuses[0].limit_remaining, 4);
     assert!(!server.keys("*").is_empty(), "the count lives in Redis");
+}
+
+/// Keys in database 0 of the Redis at `url` (credentials in the URL).
+fn keys_at(url: &str) -> Vec<String> {
+    let mut c = redis::Client::open(url).unwrap().get_connection().unwrap();
+    redis::cmd("KEYS").arg("*").query(&mut c).unwrap()
+}
+
+/// Each row: the reference's variables naming a Redis, and a plain URL to the server that must
+/// then hold the state. Through the binary, so the variables' wiring is what is tested.
+#[tokio::test]
+async fn the_reference_redis_variables_reach_the_redis_they_name() {
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let master = RedisServer::start();
+    let sentinel = RedisServer::start_sentinel(&master, "turnstile");
+    let tls = TlsRedis::start();
+    let secured = RedisServer::start_with("requirepass s3cret\n");
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let rows: [(&str, Vec<(&str, String)>, String); 3] = [
+        (
+            "REDIS_TYPE=sentinel, REDIS_URL=<master name>,<sentinel>",
+            vec![
+                ("REDIS_TYPE", "sentinel".into()),
+                ("REDIS_URL", format!("turnstile,{}", sentinel.addr())),
+            ],
+            master.url(),
+        ),
+        (
+            "REDIS_TLS with REDIS_TLS_CACERT and a client certificate, for a bare address",
+            vec![
+                ("REDIS_URL", format!("127.0.0.1:{}", tls.tls_port)),
+                ("REDIS_TLS", "true".into()),
+                ("REDIS_TLS_CACERT", tls.path("ca.pem")),
+                ("REDIS_TLS_CLIENT_CERT", tls.path("client.pem")),
+                ("REDIS_TLS_CLIENT_KEY", tls.path("client.key")),
+            ],
+            tls.server.url(),
+        ),
+        (
+            "REDIS_AUTH for an address without credentials",
+            vec![
+                ("REDIS_URL", secured.addr()),
+                ("REDIS_AUTH", "s3cret".into()),
+            ],
+            format!("redis://:s3cret@{}", secured.addr()),
+        ),
+    ];
+    for (what, env, holder) in rows {
+        let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        env.push(("TURNSTILE_REDIS_TIMEOUT", "2s"));
+        let t = Turnstile::start_with(&["--config", rules.path().to_str().unwrap()], &env).await;
+        for remaining in [4, 3] {
+            let answer = t
+                .call(request("d", vec![descriptor(&[("k", "v")])]))
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(answer.statuses[0].limit_remaining, remaining, "{what}");
+        }
+        assert_eq!(keys_at(&holder).len(), 1, "{what}: the count lives there");
+    }
+}
+
+/// Redis down when turnstile starts: it serves at once, answers by its failure policy, and
+/// decides on Redis as soon as Redis is up.
+#[tokio::test]
+async fn a_redis_unreachable_at_start_up_is_connected_when_it_comes_up() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let mut server = RedisServer::start();
+    server.stop();
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let url = server.url();
+    let t = Turnstile::start_unhealthy(
+        &[
+            "--config",
+            rules.path().to_str().unwrap(),
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            "2s",
+            "--on-backend-error",
+            "deny",
+        ],
+        &[],
+    )
+    .await;
+    let (status, _) = t.http_get("/healthcheck").await.unwrap();
+    assert_ne!(
+        status, 200,
+        "not in rotation before the backend has answered"
+    );
+    let call = || t.call(request("d", vec![descriptor(&[("k", "v")])]));
+    let refused = call().await.expect("the policy answers, not an error");
+    assert_eq!(
+        refused.overall_code,
+        Code::OverLimit as i32,
+        "deny while Redis is down"
+    );
+
+    server.restart();
+    let deadline = Instant::now() + 10 * SEC;
+    loop {
+        let answer = call().await.unwrap();
+        if answer.overall_code == Code::Ok as i32 {
+            assert_eq!(answer.statuses[0].limit_remaining, 4, "counted by Redis");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never connected to Redis");
+        sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(server.keys("*").len(), 1, "the count lives in Redis");
+    // Back in rotation at the next probe.
+    while t.http_get("/healthcheck").await.unwrap().0 != 200 {
+        assert!(Instant::now() < deadline, "never healthy");
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// SIGTERM: health turns NOT_SERVING, new connections are refused, and a call in flight
+/// (waiting on a frozen Redis) still gets its answer before the process exits 0.
+#[tokio::test]
+async fn sigterm_drains_calls_in_flight_and_reports_not_serving() {
+    use support::turnstile::{Rules, Turnstile, descriptor, request, signal};
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let url = server.url();
+    let mut t = Turnstile::start(
+        rules.path(),
+        &[
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            "10s",
+            "--breaker-failures",
+            "1000",
+        ],
+    )
+    .await;
+    let channel = t.channel().await;
+    let mut watch = HealthClient::new(channel.clone())
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let status = |s: Option<tonic_health::pb::HealthCheckResponse>| s.map(|s| s.status);
+    assert_eq!(
+        status(watch.message().await.unwrap()),
+        Some(ServingStatus::Serving as i32)
+    );
+
+    server.freeze();
+    let in_flight = tokio::spawn({
+        let mut client = envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::new(channel);
+        async move {
+            client
+                .should_rate_limit(request("d", vec![descriptor(&[("k", "v")])]))
+                .await
+        }
+    });
+    sleep(Duration::from_millis(300)).await;
+    assert!(
+        !in_flight.is_finished(),
+        "the call waits on the frozen Redis"
+    );
+    signal(t.pid(), "TERM");
+    assert_eq!(
+        status(watch.message().await.unwrap()),
+        Some(ServingStatus::NotServing as i32),
+        "health reports the shutdown"
+    );
+    drop(watch);
+    assert!(
+        tokio::net::TcpStream::connect(t.grpc).await.is_err(),
+        "no new connection once stopping"
+    );
+    assert!(t.alive(), "the call in flight holds the process");
+    server.thaw();
+    let answer = in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight is answered");
+    assert_eq!(answer.get_ref().statuses[0].limit_remaining, 4);
+    let exit = t.terminate().await;
+    assert!(exit.success(), "{exit}");
 }
 
 /// The table tests/core.rs holds the memory backend to, on Redis with its over-limit cache.

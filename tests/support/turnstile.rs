@@ -93,6 +93,21 @@ impl Turnstile {
 
     /// As `start_with`, the binary run by `launcher` (which must exec it, keeping its PID).
     pub async fn start_under(launcher: &[&str], args: &[&str], env: &[(&str, &str)]) -> Turnstile {
+        Turnstile::launch(launcher, args, env, true).await
+    }
+
+    /// As `start_with`, but wait only until the admin port answers, healthy or not (an
+    /// instance whose backend is not reachable yet).
+    pub async fn start_unhealthy(args: &[&str], env: &[(&str, &str)]) -> Turnstile {
+        Turnstile::launch(&[], args, env, false).await
+    }
+
+    async fn launch(
+        launcher: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
+        healthy: bool,
+    ) -> Turnstile {
         let launcher: Vec<String> = launcher.iter().map(|s| s.to_string()).collect();
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let env: Vec<(String, String)> = env
@@ -113,7 +128,7 @@ impl Turnstile {
                 env: env.clone(),
                 launcher: launcher.clone(),
             };
-            match t.wait_healthy().await {
+            match t.wait_answering(healthy).await {
                 Ok(()) => return t,
                 Err(status) => exits.push(status),
             }
@@ -159,14 +174,17 @@ impl Turnstile {
         })
     }
 
-    /// Wait until `/healthcheck` answers 200; the exit status if the process ended first.
-    async fn wait_healthy(&mut self) -> Result<(), ExitStatus> {
+    /// Wait until `/healthcheck` answers (200 if `healthy`); the exit status if the process
+    /// ended first.
+    async fn wait_answering(&mut self, healthy: bool) -> Result<(), ExitStatus> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(status);
             }
-            if let Ok((200, _)) = self.http_get("/healthcheck").await {
+            if let Ok((status, _)) = self.http_get("/healthcheck").await
+                && (status == 200 || !healthy)
+            {
                 return Ok(());
             }
             assert!(Instant::now() < deadline, "turnstile not healthy in time");
@@ -178,7 +196,7 @@ impl Turnstile {
     pub async fn kill_and_restart(&mut self) {
         self.kill();
         self.child = spawn(self.grpc, self.http, &self.args, &self.env, &self.launcher);
-        if let Err(status) = self.wait_healthy().await {
+        if let Err(status) = self.wait_answering(true).await {
             panic!("turnstile exited during its restart: {status}");
         }
     }
