@@ -19,7 +19,12 @@ fn rules(domain: &str, limit: u32) -> String {
 
 /// The limit in force for (domain, k=probe), or None when no rule applies.
 async fn limit_of(t: &Turnstile, domain: &str) -> Option<u32> {
-    let mut r = request(domain, vec![descriptor(&[("k", "probe")])]);
+    limit_of_key(t, domain, "k").await
+}
+
+/// The limit in force for (domain, key=probe), or None when no rule applies.
+async fn limit_of_key(t: &Turnstile, domain: &str, key: &str) -> Option<u32> {
+    let mut r = request(domain, vec![descriptor(&[(key, "probe")])]);
     r.descriptors[0].hits_addend =
         Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
     let response = t.call(r).await.expect("call");
@@ -31,12 +36,26 @@ async fn limit_of(t: &Turnstile, domain: &str) -> Option<u32> {
 
 /// Wait until the limit in force is `expected`; the time it took.
 async fn wait_for(t: &Turnstile, domain: &str, expected: Option<u32>) -> Duration {
+    wait_for_key(t, domain, "k", expected).await
+}
+
+/// Wait until the limit in force for (domain, key=probe) is `expected`; the time it took.
+async fn wait_for_key(t: &Turnstile, domain: &str, key: &str, expected: Option<u32>) -> Duration {
     let start = Instant::now();
     loop {
-        if limit_of(t, domain).await == expected {
+        if limit_of_key(t, domain, key).await == expected {
             return start.elapsed();
         }
         assert!(start.elapsed() < WAIT, "limit never became {expected:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Wait until the Prometheus sample `series` is `expected` (a reload was attempted).
+async fn wait_for_metric(t: &Turnstile, series: &str, expected: f64) {
+    let start = Instant::now();
+    while t.metric(series).await.unwrap_or(0.0) != expected {
+        assert!(start.elapsed() < WAIT, "{series} never reached {expected}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -48,7 +67,7 @@ fn write_atomically(dir: &Path, name: &str, text: &str) {
 }
 
 #[tokio::test]
-async fn edits_in_place_and_renames_over_take_effect_quickly() {
+async fn edits_in_place_and_renames_over_each_take_effect_once() {
     let r = Rules::new(&rules("d", 1));
     let t = Turnstile::start(r.path(), &[]).await;
     assert_eq!(limit_of(&t, "d").await, Some(1));
@@ -100,6 +119,7 @@ async fn a_kubernetes_configmap_symlink_swap_is_followed() {
 async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
     let r = Rules::new(&rules("d", 3));
     let t = Turnstile::start(r.path(), &[]).await;
+    let mut errors = 0.0;
     for broken in [
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 7",
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 7}\n",
@@ -109,7 +129,8 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
         support::turnstile::nested_rules("d", 2_000).as_str(),
     ] {
         r.write("rules.yaml", broken);
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        errors += 1.0;
+        wait_for_metric(&t, "ratelimit_service_config_load_error", errors).await;
         assert_eq!(limit_of(&t, "d").await, Some(3), "after {broken:?}");
     }
     assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
@@ -242,4 +263,55 @@ async fn the_reference_runtime_layout_loads_and_follows_a_root_symlink_swap() {
     std::os::unix::fs::symlink(next, &tmp).unwrap();
     std::fs::rename(&tmp, &current).unwrap();
     wait_for(&t, "rt", Some(2)).await;
+}
+
+/// A request sees the rules before a reload or after it, never some of each: two limits
+/// changed by one reload always answer the same number within one response.
+#[tokio::test]
+async fn a_request_sees_the_old_rules_or_the_new_never_a_mix() {
+    let both = |limit: u32| {
+        format!(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n  - key: b\n    rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        )
+    };
+    let r = Rules::new(&both(1));
+    let t = Turnstile::start(r.path(), &[]).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probe = tokio::spawn({
+        let (channel, stop) = (t.channel().await, stop.clone());
+        async move {
+            let mut client = envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::new(channel);
+            let mut seen = std::collections::BTreeSet::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut r = request(
+                    "d",
+                    vec![descriptor(&[("a", "x")]), descriptor(&[("b", "x")])],
+                );
+                for d in &mut r.descriptors {
+                    d.hits_addend =
+                        Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
+                }
+                let answer = client
+                    .should_rate_limit(r)
+                    .await
+                    .expect("call")
+                    .into_inner();
+                let limits: Vec<Option<u32>> = answer
+                    .statuses
+                    .iter()
+                    .map(|s| s.current_limit.as_ref().map(|l| l.requests_per_unit))
+                    .collect();
+                assert_eq!(limits[0], limits[1], "a mix of two rule sets: {limits:?}");
+                seen.insert(limits[0]);
+            }
+            seen
+        }
+    });
+    for limit in 2..=20 {
+        write_atomically(r.path(), "rules.yaml", &both(limit));
+        wait_for_key(&t, "d", "b", Some(limit)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = probe.await.expect("no response mixed two rule sets");
+    assert!(seen.len() > 1, "the probe ran across reloads: {seen:?}");
 }
