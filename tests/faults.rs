@@ -68,8 +68,10 @@ const REDIS_TIMEOUT: &str = "100ms";
 const REDIS_TIMEOUT_MS: u64 = 100;
 /// Consecutive failures that open the breaker (the default of `--breaker-failures`).
 const BREAKER_FAILURES: usize = 5;
-/// The breaker's first backoff: at most one probe per this while it is open.
+/// The breaker's first and longest backoffs (the defaults): while it is open, one probe per
+/// backoff, doubling from the first to the longest.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Every answer within the Redis timeout plus this margin (a busy 2-core machine).
 const MAX_LATENCY: Duration = Duration::from_millis(500);
 /// After Redis is back, every instance answers from it again within this. By design the worst
@@ -347,6 +349,20 @@ fn replicas_caught_up(cluster: &RedisCluster) {
     }
 }
 
+/// Probes an open breaker lets through in `outage`: one per backoff, the backoff doubling
+/// from FIRST_BACKOFF up to MAX_BACKOFF; plus the one in flight when Redis comes back.
+fn probes_within(outage: Duration) -> usize {
+    let (mut at, mut backoff, mut probes) = (Duration::ZERO, FIRST_BACKOFF, 1);
+    loop {
+        at += backoff;
+        if at > outage {
+            return probes;
+        }
+        probes += 1;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
 /// Run `fault` under load on `scenario` and check everything the module promises.
 async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Report {
     let name = expect.label;
@@ -614,11 +630,16 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
         // The breaker lets through the calls that open it, those in flight meanwhile, and
         // then one probe per backoff (at least FIRST_BACKOFF): only those wait for Redis.
         // Without it, every call of the outage would.
+        // Without it, each of an instance's streams would wait once per timeout (about 18
+        // calls a second for two streams), well above this bound.
         let outage = lift_at - fault_at;
-        let bound = BREAKER_FAILURES
-            + 2 * scenario.members.len()
-            + (outage.as_millis() / FIRST_BACKOFF.as_millis()) as usize;
         for instance in 0..scenario.instances.len() {
+            let streams = 2 * scenario
+                .members
+                .iter()
+                .filter(|m| m.instance == instance)
+                .count();
+            let bound = BREAKER_FAILURES + streams + probes_within(outage);
             let waited = samples
                 .iter()
                 .filter(|s| scenario.members[s.target].instance == instance)

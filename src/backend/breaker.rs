@@ -423,7 +423,7 @@ mod tests {
         assert_eq!(
             call().await,
             Err(BackendError::CircuitOpen),
-            "backoff doubled"
+            "open again after a failed probe"
         );
         assert_eq!(switch.calls.load(Ordering::SeqCst), 4);
 
@@ -435,6 +435,32 @@ mod tests {
         );
         assert!(call().await.is_ok());
         assert_eq!(switch.calls.load(Ordering::SeqCst), 6);
+    }
+
+    /// How long the circuit stays open after each failed probe: 50, 100, 200 ms, then the
+    /// cap (200 ms) however many more fail. Measured by calling until a probe gets through.
+    #[tokio::test]
+    async fn the_backoff_doubles_after_each_failed_probe_up_to_its_cap() {
+        let (switch, breaker) = breaker(1);
+        switch.down.store(true, Ordering::SeqCst);
+        assert_eq!(breaker.evaluate(&[], Charging::Atomic).await, Err(down()));
+        let mut opened = Instant::now();
+        let mut open_for = Vec::new();
+        for _ in 0..5 {
+            let calls = switch.calls.load(Ordering::SeqCst);
+            while switch.calls.load(Ordering::SeqCst) == calls {
+                let _ = breaker.evaluate(&[], Charging::Atomic).await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            open_for.push(opened.elapsed());
+            opened = Instant::now();
+        }
+        let seen: Vec<u128> = open_for.iter().map(Duration::as_millis).collect();
+        for (i, at_least) in [50, 100, 200, 200, 200].into_iter().enumerate() {
+            assert!(seen[i] >= at_least, "open {i}: {seen:?}");
+        }
+        // Without the cap the last two would be 400 and 800 ms.
+        assert!(seen[3].min(seen[4]) < 400, "capped: {seen:?}");
     }
 
     /// Abandoned calls prove nothing about a healthy backend, however many; against a dead
