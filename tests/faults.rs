@@ -288,6 +288,7 @@ enum Fault {
     Failover,
 }
 
+#[derive(Clone, Copy)]
 struct Expect {
     /// The fault's name in messages and figures.
     label: &'static str,
@@ -713,103 +714,114 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
 
 // ---- the faults ----------------------------------------------------------------------------
 
-/// Redis killed for a second, then started again from its append-only file: every policy
-/// answers during the outage, all recover, and the counts continue. The metrics record it.
+/// The faults, one row each: what happens to Redis, and what each promises.
+const FAULTS: [(Fault, Expect); 5] = [
+    // Killed for a second, then started again from its append-only file.
+    (
+        Fault::Kill,
+        Expect {
+            label: "kill",
+            outage: true,
+            fallback: true,
+            kept: true,
+        },
+    ),
+    // Frozen (SIGSTOP: it accepts, never answers) for a second, then resumed (SIGCONT).
+    (
+        Fault::Freeze,
+        Expect {
+            label: "freeze",
+            outage: true,
+            fallback: true,
+            kept: true,
+        },
+    ),
+    // Restarted at once without persistence: the counts start again and hold from zero.
+    (
+        Fault::RestartEmpty,
+        Expect {
+            label: "restart-empty",
+            outage: false,
+            fallback: true,
+            kept: false,
+        },
+    ),
+    // SCRIPT FLUSH five times under load: the script is sent again and no request fails
+    // over (but by waiting out the Redis timeout, on a machine too busy to re-send it in time).
+    (
+        Fault::ScriptFlush,
+        Expect {
+            label: "script-flush",
+            outage: false,
+            fallback: false,
+            kept: true,
+        },
+    ),
+    // A Cluster of 3 masters with a replica each; the master owning the load's slot is
+    // killed and its replica takes over (automatic failover, cluster-node-timeout 1 s).
+    (
+        Fault::Failover,
+        Expect {
+            label: "failover",
+            outage: true,
+            fallback: true,
+            kept: true,
+        },
+    ),
+];
+
+/// Every fault of `FAULTS` under load, with every policy: each answer is Redis' or the
+/// policy's and comes in time, all recover, and the counts continue as promised. An outage
+/// opens each instance's circuit, the metrics count it, and the circuit closes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_killed_then_restarted() {
+async fn every_fault_is_answered_by_policy_and_recovered_from() {
     let _serial = load::serial().await;
-    let redis = RedisServer::start_persistent();
-    let mut scenario = Scenario::start(Store::Single(redis), &POLICIES).await;
-    let expect = Expect {
-        label: "kill",
-        outage: true,
-        fallback: true,
-        kept: true,
-    };
-    exercise(&mut scenario, Fault::Kill, expect).await;
-    for (t, policy) in scenario.instances.iter().zip(POLICIES) {
-        let opened = t
-            .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
-            .await;
-        assert!(
-            opened.is_some_and(|n| n >= 1.0),
-            "{policy:?}: circuit opened {opened:?} times"
-        );
-        let mut errors = 0.0;
-        for kind in ["backend_unavailable", "backend_timeout", "circuit_open"] {
-            let series =
-                format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
-            errors += t.metric(&series).await.unwrap_or(0.0);
+    for (fault, expect) in FAULTS {
+        let store = match fault {
+            Fault::Kill => Store::Single(RedisServer::start_persistent()),
+            Fault::Failover => Store::Cluster(block_in_place(|| {
+                RedisCluster::start_with(3, 1, "cluster-node-timeout 1000\n")
+            })),
+            Fault::Freeze | Fault::RestartEmpty | Fault::ScriptFlush => {
+                Store::Single(RedisServer::start())
+            }
+        };
+        let mut scenario = Scenario::start(store, &POLICIES).await;
+        let name = expect.label;
+        let report = exercise(&mut scenario, fault, expect).await;
+        if !expect.fallback {
+            assert!(report.recovery.iter().all(Duration::is_zero), "{name}");
         }
-        assert!(errors > 0.0, "{policy:?}: no backend errors counted");
-        let open = t.metric("turnstile_backend_circuit_open").await;
-        assert_eq!(open, Some(0.0), "{policy:?}: the circuit closed again");
+        if !expect.outage {
+            continue;
+        }
+        println!(
+            "[faults] {name:<13} outage (fault to Redis back) {:.2?}",
+            report.back_at - report.fault_at
+        );
+        for (t, policy) in scenario.instances.iter().zip(POLICIES) {
+            let opened = t
+                .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+                .await;
+            assert!(
+                opened.is_some_and(|n| n >= 1.0),
+                "{name} {policy:?}: circuit opened {opened:?} times"
+            );
+            let mut errors = 0.0;
+            for kind in ["backend_unavailable", "backend_timeout", "circuit_open"] {
+                let series =
+                    format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
+                errors += t.metric(&series).await.unwrap_or(0.0);
+            }
+            assert!(errors > 0.0, "{name} {policy:?}: no backend errors counted");
+            let open = t.metric("turnstile_backend_circuit_open").await;
+            assert_eq!(
+                open,
+                Some(0.0),
+                "{name} {policy:?}: the circuit closed again"
+            );
+        }
     }
-}
-
-/// Redis frozen (SIGSTOP: it accepts, never answers) for a second, then resumed (SIGCONT).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_frozen_then_resumed() {
-    let _serial = load::serial().await;
-    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
-    let expect = Expect {
-        label: "freeze",
-        outage: true,
-        fallback: true,
-        kept: true,
-    };
-    exercise(&mut scenario, Fault::Freeze, expect).await;
-}
-
-/// Redis restarted at once, without persistence: the counts start again, the service goes on
-/// and the limits hold from zero.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_restarted_empty() {
-    let _serial = load::serial().await;
-    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
-    let expect = Expect {
-        label: "restart-empty",
-        outage: false,
-        fallback: true,
-        kept: false,
-    };
-    exercise(&mut scenario, Fault::RestartEmpty, expect).await;
-}
-
-/// SCRIPT FLUSH five times under load: the script is sent again, no request fails over (but
-/// by waiting out the Redis timeout, on a machine too busy to re-send it in time).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn script_flush_under_load_fails_no_request() {
-    let _serial = load::serial().await;
-    let mut scenario = Scenario::start(Store::Single(RedisServer::start()), &POLICIES).await;
-    let expect = Expect {
-        label: "script-flush",
-        outage: false,
-        fallback: false,
-        kept: true,
-    };
-    let report = exercise(&mut scenario, Fault::ScriptFlush, expect).await;
-    assert!(report.recovery.iter().all(Duration::is_zero));
-}
-
-/// A Cluster of 3 masters with a replica each; the master owning the load's slot is killed
-/// and its replica takes over (automatic failover, cluster-node-timeout 1 s).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_master_killed_and_its_replica_promoted() {
-    let _serial = load::serial().await;
-    let cluster = block_in_place(|| RedisCluster::start_with(3, 1, "cluster-node-timeout 1000\n"));
-    let mut scenario = Scenario::start(Store::Cluster(cluster), &POLICIES).await;
-    let expect = Expect {
-        label: "failover",
-        outage: true,
-        fallback: true,
-        kept: true,
-    };
-    let report = exercise(&mut scenario, Fault::Failover, expect).await;
-    println!(
-        "[faults] failover      outage (kill to promotion) {:.2?}",
-        report.back_at - report.fault_at
-    );
 }
 
 /// A domain's `on_backend_error` overrides the global flag, both ways: on an instance whose
