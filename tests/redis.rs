@@ -1229,7 +1229,9 @@ async fn the_reference_redis_variables_reach_the_redis_they_name() {
     let rules = Rules::new(
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
     );
-    let rows: [(&str, Vec<(&str, String)>, String); 3] = [
+    // (what, environment, a plain URL of the server that must hold the count)
+    type Row<'a> = (&'a str, Vec<(&'a str, String)>, String);
+    let rows: [Row<'_>; 3] = [
         (
             "REDIS_TYPE=sentinel, REDIS_URL=<master name>,<sentinel>",
             vec![
