@@ -535,19 +535,16 @@ async fn refusal_charges_per_charging_mode(
     }
 }
 
+/// Rows: one server, and a Cluster with every wide/narrow pair in different slots (so each
+/// goes through reservation and refund).
 #[tokio::test]
 async fn a_refused_request_charges_according_to_the_charging_mode() {
     let server = RedisServer::start();
     let b = single(&server, "at:").await;
     refusal_charges_per_charging_mode(&b, |a| vec![format!("wide-{a}"), format!("narrow-{a}")])
         .await;
-}
-
-#[tokio::test]
-async fn cluster_refused_request_across_slots_charges_according_to_the_charging_mode() {
     let cluster = RedisCluster::shared();
     let b = clustered(&cluster, "xat:").await;
-    // Every wide/narrow pair in different slots, so each goes through reservation and refund.
     refusal_charges_per_charging_mode(&b, |a| distinct_slots("xat:", a.name(), 2)).await;
 }
 
@@ -713,17 +710,13 @@ async fn survive_script_flushes(b: &RedisBackend, servers: &[&RedisServer], key:
     );
 }
 
+/// Rows: one server, and a Cluster of its own (on the shared one, other tests would reload
+/// the script between a flush and the request that must find it gone).
 #[tokio::test]
 async fn a_flushed_script_cache_fails_no_request() {
     let server = RedisServer::start();
     let b = single(&server, "fl:").await;
     survive_script_flushes(&b, &[&server], "k").await;
-}
-
-#[tokio::test]
-async fn cluster_flushed_script_cache_fails_no_request() {
-    // A Cluster of its own: on the shared one, other tests would reload the script between a
-    // flush and the request that must find it gone.
     let cluster = RedisCluster::start(3);
     let b = clustered(&cluster, "cfl:").await;
     let nodes: Vec<&RedisServer> = cluster.nodes.iter().collect();
