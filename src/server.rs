@@ -20,13 +20,11 @@ use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
 use crate::backend::Backend;
-use crate::backend::breaker::{Breaker, BreakerConfig};
+use crate::backend::breaker::BreakerConfig;
 use crate::backend::deferred::Deferred;
-use crate::backend::leased::Leased;
-use crate::backend::measured::Measured;
 use crate::backend::memory::MemoryBackend;
-use crate::backend::overlimit_cache::OverLimitCache;
 use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
+use crate::backend::stack::{self, StackConfig};
 use crate::cli::{
     BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
 };
@@ -254,12 +252,23 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         BackendKind::Memory
     });
+    let stack = StackConfig {
+        breaker: BreakerConfig {
+            failures_to_open: args.breaker_failures,
+            max_backoff: args.breaker_max_backoff,
+            ..BreakerConfig::default()
+        },
+        over_limit_entries: args
+            .local_cache_size_in_bytes
+            .map_or(args.local_cache_entries, |bytes| bytes / 256),
+        lease_pools: MAX_LEASE_POOLS,
+    };
     match backend {
         BackendKind::Memory => {
-            let backend = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes)
+            let store = MemoryBackend::new(args.memory_max_keys, args.memory_max_bytes)
                 .counting_evictions(metrics.memory_evictions.clone());
-            backend.spawn_sweeper(MEMORY_SWEEP_PERIOD);
-            let backend = Measured::new(backend, metrics.clone());
+            store.spawn_sweeper(MEMORY_SWEEP_PERIOD);
+            let backend = stack::memory(store, &stack, &metrics);
             let shares = ShareStore::Memory(MemoryShares::new(args.memory_max_keys));
             run(backend, shares, &args, rules, feed, metrics).await
         }
@@ -279,21 +288,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     }
                 }
             });
-            let entries = args
-                .local_cache_size_in_bytes
-                .map_or(args.local_cache_entries, |bytes| bytes / 256);
-            let measured = Measured::new(connected, metrics.clone());
-            let cached = OverLimitCache::new(measured, entries, metrics.clone());
-            let backend = Leased::new(cached, MAX_LEASE_POOLS);
-            run(
-                backend,
-                ShareStore::Redis(redis),
-                &args,
-                rules,
-                feed,
-                metrics,
-            )
-            .await
+            let backend = stack::redis(connected, &stack, &metrics);
+            let shares = ShareStore::Redis(redis);
+            run(backend, shares, &args, rules, feed, metrics).await
         }
     }
 }
@@ -314,11 +311,6 @@ async fn run<B: Backend>(
     )
     .counting_evictions(metrics.memory_evictions.clone());
     fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);
-    let breaker = BreakerConfig {
-        failures_to_open: args.breaker_failures,
-        max_backoff: args.breaker_max_backoff,
-        ..BreakerConfig::default()
-    };
     let quota = rlqs::QuotaService::new(
         rules.clone(),
         shares,
@@ -331,7 +323,7 @@ async fn run<B: Backend>(
     );
     let limiter = Arc::new(RateLimiter::new(
         rules.clone(),
-        Breaker::new(backend, breaker, metrics.clone()),
+        backend,
         fallback,
         settings(args),
         metrics.clone(),

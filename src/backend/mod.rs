@@ -12,6 +12,7 @@ pub mod measured;
 pub mod memory;
 pub mod overlimit_cache;
 pub mod redis;
+pub mod stack;
 
 use std::future::Future;
 use std::time::Instant;
