@@ -72,8 +72,10 @@ const BREAKER_FAILURES: usize = 5;
 /// backoff, doubling from the first to the longest.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
-/// Every answer within the Redis timeout plus this margin (a busy 2-core machine).
-const MAX_LATENCY: Duration = Duration::from_millis(500);
+/// Every answer within this: the Redis timeout (100 ms) plus a margin for a busy 2-core
+/// machine (answers of 543 ms were seen under a full CI run), and still below the 1 s
+/// connect timeout, so a call that waited for a reconnect fails it.
+const MAX_LATENCY: Duration = Duration::from_millis(800);
 /// After Redis is back, every instance answers from it again within this. By design the worst
 /// case is about the breaker's longest backoff (1 s) plus the Redis client's longest reconnect
 /// delay (1 s), met at once only after outages long enough for both to reach their caps;
@@ -1037,10 +1039,14 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
             s.latency()
         );
     }
+    // A refusal is answered at once: the slowest one is the longest round trip under this
+    // load (a few ms; asserted below 200 ms, far less than the 1 s wait).
+    let shed_latency: Vec<Duration> = shed.iter().map(|s| s.latency()).collect();
+    let shed_max = *shed_latency.iter().max().expect("calls were refused");
     // Never more than two in the service at once. The spans are the client's, wider than the
-    // server's by a round trip: a call may be sent while the answer freeing its slot travels.
-    // Each span is narrowed by far more than a round trip, far less than the 1 s wait.
-    let round_trip = Duration::from_millis(50);
+    // server's by up to a round trip: a call may be sent while the answer freeing its slot
+    // travels. Each span is narrowed by the longest round trip seen.
+    let round_trip = shed_max;
     let mut edges: Vec<(Instant, i32)> = waited
         .iter()
         .flat_map(|s| [(s.sent + round_trip, 1), (s.answered - round_trip, -1)])
@@ -1059,8 +1065,6 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
         samples.last().unwrap().answered - frozen_at
     );
     assert!(shed.len() >= 100, "only {} calls were refused", shed.len());
-    let shed_latency: Vec<Duration> = shed.iter().map(|s| s.latency()).collect();
-    let shed_max = *shed_latency.iter().max().unwrap();
     assert!(
         shed_max < Duration::from_millis(200),
         "a refusal took {shed_max:?}"
