@@ -34,7 +34,7 @@ impl State {
 
 impl Algorithm for Concurrency {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/concurrency.lua");
+    const IN_FLIGHT: bool = true;
 
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
         let max = u64::from(limit.requests_per_unit);
@@ -90,7 +90,7 @@ impl Algorithm for Concurrency {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
 

@@ -25,7 +25,7 @@ pub fn window_start(limit: &Limit, now: Micros) -> u64 {
 
 impl Algorithm for FixedWindow {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/fixed_window.lua");
+    const BATCHES: bool = true;
 
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
         let hits = cost.units;

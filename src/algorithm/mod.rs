@@ -3,15 +3,16 @@
 //! An algorithm is pure arithmetic over one key's state: `check` decides without writing,
 //! `commit` records an admitted hit. Keeping the two apart is what lets a backend evaluate
 //! every descriptor of a request first and charge none of them when one refuses. Each
-//! algorithm also ships the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
+//! algorithm also has the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
 //! Redis backend runs on Redis time; the memory backend calls the Rust side directly.
+//!
+//! Which algorithms exist is said once, in the registry `crate::limit::algorithms!`; this
+//! module expands it into the modules, the twins' sources (`Kind::lua`), the state of any
+//! algorithm (`KeyState`) and the dispatch from a `Kind` to its arithmetic, so that nothing
+//! else matches on every `Kind`. Adding an algorithm is one line there, `<name>.rs` here
+//! (with its `Algorithm` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
 
-pub mod concurrency;
-pub mod fixed_window;
-pub mod sliding_window;
-pub mod token_bucket;
-
-use crate::limit::Limit;
+use crate::limit::{Kind, Limit, algorithms};
 
 /// Microseconds since the Unix epoch: the clock every algorithm reads.
 pub type Micros = u64;
@@ -57,10 +58,28 @@ impl Cost<'_> {
 /// One algorithm's arithmetic. Implementations are stateless; the state lives in a backend.
 pub trait Algorithm {
     /// One key's state. `Default` is the state of a key never hit (or expired).
-    type State: Default;
+    type State: Default + Clone + std::fmt::Debug;
 
-    /// The Lua twin of `check`/`commit`, registered in the Redis batch driver.
-    const LUA: &'static str;
+    /// Whether a rule may set `burst`: hits admitted back to back, above the steady rate.
+    const BURST: bool = false;
+
+    /// Whether a rule may set `lease`: an instance takes units from a shared backend ahead
+    /// and spends them locally, which fits only state that counts units, whoever spends them.
+    const BATCHES: bool = false;
+
+    /// The largest `requests_per_unit` a rule may set, for state that grows with it.
+    const MAX_LIMIT: Option<u32> = None;
+
+    /// For an algorithm that `BATCHES`: the longest an instance may keep `units` taken ahead
+    /// unspent (`None`: until the granted hit's reset). A token bucket's must lapse once the
+    /// bucket would have earned them again, or they would pile up into a burst it refuses.
+    fn batch_lapse(_limit: &Limit, _units: u64) -> Option<Micros> {
+        None
+    }
+
+    /// Whether it limits requests in flight (each holding a lease named by the descriptor's
+    /// last entry) rather than a rate.
+    const IN_FLIGHT: bool = false;
 
     /// Decide whether `cost` fits, without changing anything.
     fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict;
@@ -72,6 +91,102 @@ pub trait Algorithm {
     /// The instant after which the state is equivalent to `Default`, so it can be dropped.
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;
 }
+
+/// Expands the registry: the modules, and what each `Kind` stands for.
+macro_rules! expand {
+    ($($(#[$attr:meta])* $kind:ident $module:ident,)+) => {
+        $(pub mod $module;)+
+
+        /// One key's state, whatever its algorithm: what a backend keeping state in process
+        /// stores.
+        #[derive(Debug, Clone)]
+        pub enum KeyState {
+            $($kind(<$module::$kind as Algorithm>::State),)+
+        }
+
+        impl KeyState {
+            /// Decide whether `cost` fits `limit` on `state`, without changing anything. No
+            /// state, or one of another algorithm (the rule changed), reads as a fresh key's.
+            pub fn check(state: Option<&KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+                match (limit.algorithm, state) {
+                    $(
+                        (Kind::$kind, Some(KeyState::$kind(state))) => {
+                            $module::$kind::check(state, limit, now, cost)
+                        }
+                        (Kind::$kind, _) => {
+                            $module::$kind::check(&Default::default(), limit, now, cost)
+                        }
+                    )+
+                }
+            }
+
+            /// Record `cost` (as [`Algorithm::commit`]) on `state`, which starts afresh when
+            /// empty or of another algorithm. Returns when the state expires.
+            pub fn commit(state: &mut Option<KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Micros {
+                match limit.algorithm {
+                    $(
+                        Kind::$kind => {
+                            if !matches!(state, Some(KeyState::$kind(_))) {
+                                *state = Some(KeyState::$kind(Default::default()));
+                            }
+                            let Some(KeyState::$kind(state)) = state else {
+                                unreachable!("set just above")
+                            };
+                            $module::$kind::commit(state, limit, now, cost);
+                            $module::$kind::expires_at(state, limit)
+                        }
+                    )+
+                }
+            }
+        }
+
+        impl Kind {
+            /// The Lua twin's source: a chunk that returns the algorithm's table of
+            /// functions (see `backend::redis::twins`).
+            pub fn lua(self) -> &'static str {
+                match self {
+                    $(Kind::$kind => include_str!(concat!("../../lua/", stringify!($module), ".lua")),)+
+                }
+            }
+
+            /// See [`Algorithm::BURST`].
+            pub fn takes_burst(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::BURST,)+
+                }
+            }
+
+            /// See [`Algorithm::BATCHES`].
+            pub fn batches(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::BATCHES,)+
+                }
+            }
+
+            /// See [`Algorithm::MAX_LIMIT`].
+            pub fn max_limit(self) -> Option<u32> {
+                match self {
+                    $(Kind::$kind => $module::$kind::MAX_LIMIT,)+
+                }
+            }
+
+            /// See [`Algorithm::batch_lapse`].
+            pub fn batch_lapse(self, limit: &Limit, units: u64) -> Option<Micros> {
+                match self {
+                    $(Kind::$kind => $module::$kind::batch_lapse(limit, units),)+
+                }
+            }
+
+            /// See [`Algorithm::IN_FLIGHT`].
+            pub fn in_flight(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::IN_FLIGHT,)+
+                }
+            }
+        }
+    };
+}
+algorithms!(expand);
 
 /// Length of a limit's window in microseconds.
 pub(crate) fn window_micros(limit: &Limit) -> Micros {

@@ -56,7 +56,8 @@ impl State {
 
 impl Algorithm for SlidingWindow {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/sliding_window.lua");
+    /// One log entry per admission.
+    const MAX_LIMIT: Option<u32> = Some(10_000);
 
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
         let hits = cost.units;
@@ -118,7 +119,7 @@ impl Algorithm for SlidingWindow {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;

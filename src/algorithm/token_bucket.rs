@@ -27,7 +27,12 @@ fn emission_interval(limit: &Limit) -> Option<f64> {
 
 impl Algorithm for TokenBucket {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/token_bucket.lua");
+    const BURST: bool = true;
+    const BATCHES: bool = true;
+
+    fn batch_lapse(limit: &Limit, units: u64) -> Option<Micros> {
+        Some(window_micros(limit) * units / u64::from(limit.requests_per_unit.max(1)))
+    }
 
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
         let hits = cost.units;
@@ -75,7 +80,7 @@ impl Algorithm for TokenBucket {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;

@@ -1,0 +1,98 @@
+//! The batch script's algorithms: each algorithm's Lua twin, bound to the name the Rust side
+//! calls it by.
+//!
+//! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
+//! functions (`check`, `commit`, `undo`, `refund`), given its key layout as argument. Here
+//! each is wrapped in a function, defined before the driver's `ALGORITHMS` table exists (so a
+//! twin cannot register itself, under its own name or another), then called once per layout
+//! it serves and bound under `KeyLayout::script_name`, the very name a call asks for. Every
+//! binding is checked as the script starts, so a twin that returns no table fails every call,
+//! not only the calls that use it.
+
+use std::fmt::Write;
+
+use super::KeyLayout;
+use crate::limit::Kind;
+
+/// The functions the driver (`lua/batch.lua`) calls on a twin.
+const FUNCTIONS: [&str; 4] = ["check", "commit", "undo", "refund"];
+
+/// Every twin's script name, kind and layout: one per kind and layout it is kept in.
+fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
+    let mut bound: Vec<(&str, Kind, KeyLayout)> = Vec::new();
+    for kind in Kind::ALL {
+        for layout in KeyLayout::ALL.map(|l| l.of(kind)) {
+            if !bound.iter().any(|&(_, k, l)| (k, l) == (kind, layout)) {
+                bound.push((layout.script_name(kind), kind, layout));
+            }
+        }
+    }
+    bound
+}
+
+/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
+pub(super) fn script(driver: &str) -> String {
+    let mut source = String::new();
+    for kind in Kind::ALL {
+        let _ = writeln!(source, "local {}_twin = function(...)", kind.name());
+        source.push_str(kind.lua());
+        source.push_str("\nend\n");
+    }
+    let functions = FUNCTIONS.map(|f| format!("type(twin.{f}) == 'function'"));
+    let _ = writeln!(
+        source,
+        "local function bind(name, twin)\n  \
+         assert(type(twin) == 'table' and {}, 'the Lua twin bound to ' .. name .. ' lacks a function')\n  \
+         return twin\nend",
+        functions.join(" and ")
+    );
+    source.push_str("local ALGORITHMS = {\n");
+    for (name, kind, layout) in bindings() {
+        let _ = writeln!(
+            source,
+            "  [{name:?}] = bind({name:?}, {}_twin({:?})),",
+            kind.name(),
+            layout.lua_name()
+        );
+    }
+    source.push_str("}\n");
+    source.push_str(driver);
+    source
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_and_layout_is_bound_under_the_name_calls_ask_for() {
+        let script = script("-- driver");
+        for kind in Kind::ALL {
+            for layout in KeyLayout::ALL {
+                let name = layout.script_name(kind);
+                let twin = format!("{}_twin({:?})", kind.name(), layout.of(kind).lua_name());
+                let binding = format!("  [{name:?}] = bind({name:?}, {twin}),\n");
+                assert!(script.contains(&binding), "{kind} in {layout:?}: {binding}");
+            }
+        }
+        let names: Vec<&str> = bindings().iter().map(|(name, ..)| *name).collect();
+        assert_eq!(
+            names,
+            [
+                "fixed_window",
+                "fixed_window_reference",
+                "sliding_window",
+                "token_bucket",
+                "concurrency"
+            ]
+        );
+        assert!(script.ends_with("}\n-- driver"));
+    }
+
+    #[test]
+    fn no_twin_names_the_drivers_table() {
+        for kind in Kind::ALL {
+            assert!(!kind.lua().contains("ALGORITHMS"), "{kind}");
+        }
+    }
+}
