@@ -8,10 +8,9 @@
 
 use std::collections::HashSet;
 
-use crate::algorithm::LeaseOp;
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::decision::FailurePolicy;
-use crate::decision::{Hit, Outcome, Role};
+use crate::decision::{Hit, LeaseOp, Outcome, Role};
 use crate::key::{Shard, limit_key};
 use crate::limit::Limit;
 use crate::metrics::StatsKey;

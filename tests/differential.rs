@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
-use turnstile::algorithm::{LeaseOp, Micros};
+use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::{Charging, Hit, Outcome, Role};
+use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
 /// Sequences per run, and requests per sequence: ~2 400 requests on each of the three

@@ -10,11 +10,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
 use tokio::time::sleep;
-use turnstile::algorithm::LeaseOp;
 use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::{BackendError, Charging, Hit, Outcome, Role};
+use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
 const SEC: Duration = Duration::from_secs(1);

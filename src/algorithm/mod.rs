@@ -12,48 +12,13 @@
 //! else matches on every `Kind`. Adding an algorithm is one line there, `<name>.rs` here
 //! (with its `Algorithm` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
 
+use crate::decision::{Cost, Outcome};
 use crate::limit::{Kind, Limit, algorithms};
 
 /// Microseconds since the Unix epoch: the clock every algorithm reads.
 pub type Micros = u64;
 
 pub const MICROS_PER_SECOND: u64 = 1_000_000;
-
-/// What an algorithm says about one hit, before anything is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
-    pub admitted: bool,
-    /// Units left once this hit is recorded (0 when refused).
-    pub remaining: u32,
-    /// Admitted: time until the state is back to full quota. Refused: time until a hit of
-    /// the same cost would be admitted (the exact retry time).
-    pub reset_after: Micros,
-}
-
-/// What a concurrency limit's hit does with its lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LeaseOp {
-    /// Take a lease for the request (a request's call on the request path).
-    Acquire,
-    /// Give it back (Envoy's call when the stream is done, with negative hits).
-    Release,
-}
-
-/// What one hit asks of an algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cost<'a> {
-    /// Units to charge; 0 reads without charging.
-    pub units: u64,
-    /// For a concurrency limit: the request's lease and what to do with it.
-    pub lease: Option<(LeaseOp, &'a str)>,
-}
-
-impl Cost<'_> {
-    /// A plain cost of `units`, with no lease.
-    pub fn units(units: u64) -> Cost<'static> {
-        Cost { units, lease: None }
-    }
-}
 
 /// One algorithm's arithmetic. Implementations are stateless; the state lives in a backend.
 pub trait Algorithm {
@@ -82,7 +47,7 @@ pub trait Algorithm {
     const IN_FLIGHT: bool = false;
 
     /// Decide whether `cost` fits, without changing anything.
-    fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict;
+    fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome;
 
     /// Record a `cost` that `check` admitted at the same `now` (or a lease release, which
     /// always applies).
@@ -107,7 +72,7 @@ macro_rules! expand {
         impl KeyState {
             /// Decide whether `cost` fits `limit` on `state`, without changing anything. No
             /// state, or one of another algorithm (the rule changed), reads as a fresh key's.
-            pub fn check(state: Option<&KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+            pub fn check(state: Option<&KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
                 match (limit.algorithm, state) {
                     $(
                         (Kind::$kind, Some(KeyState::$kind(state))) => {
@@ -200,7 +165,7 @@ pub(crate) fn run<A: Algorithm>(
     limit: &Limit,
     now: Micros,
     cost: Cost<'_>,
-) -> Verdict {
+) -> Outcome {
     let v = A::check(state, limit, now, cost);
     if v.admitted {
         A::commit(state, limit, now, cost);

@@ -30,7 +30,7 @@ use indexmap::IndexMap;
 use metrics::Counter;
 
 use super::Backend;
-use crate::algorithm::{KeyState, Micros, Verdict};
+use crate::algorithm::{KeyState, Micros};
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 
 const SHARDS: usize = 64;
@@ -150,7 +150,7 @@ impl Shard {
     }
 }
 
-fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Verdict {
+fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Outcome {
     let live = entry.filter(|e| e.expires_at > now);
     KeyState::check(
         live.and_then(|e| e.state.as_ref()),
@@ -274,9 +274,9 @@ impl MemoryBackend {
             .map(|s| order.partition_point(|i| i < s))
             .collect();
 
-        let writes = |h: &Hit, v: &Verdict| h.releases() || (v.admitted && h.hits > 0);
+        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
         let mut scratch: HashMap<&str, Entry> = HashMap::new();
-        let mut verdicts: Vec<Verdict> = Vec::with_capacity(hits.len());
+        let mut verdicts: Vec<Outcome> = Vec::with_capacity(hits.len());
         for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
             let v = match scratch.get(h.key.as_str()) {
                 Some(entry) => check_any(Some(entry), h, now),
@@ -309,14 +309,7 @@ impl MemoryBackend {
                 self.charge(&mut guards[g], h, hits, now);
             }
         }
-        Ok(verdicts
-            .into_iter()
-            .map(|v| Outcome {
-                admitted: v.admitted,
-                remaining: v.remaining,
-                reset_after: Duration::from_micros(v.reset_after),
-            })
-            .collect())
+        Ok(verdicts)
     }
 
     /// Charge `hit`, making room for its key if it is new: the other keys of the request
@@ -366,8 +359,7 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::LeaseOp;
-    use crate::decision::Role;
+    use crate::decision::{LeaseOp, Role};
     use crate::limit::{Kind, Limit, Unit};
     use std::sync::atomic::{AtomicU64, Ordering};
 

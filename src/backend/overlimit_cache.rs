@@ -187,7 +187,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::LeaseOp;
+    use crate::decision::LeaseOp;
     use crate::limit::Unit;
     use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -10,8 +10,8 @@ use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 
 use super::connect::Pool;
 use super::{KeyLayout, twins};
-use crate::algorithm::{LeaseOp, Micros};
-use crate::decision::{BackendError, Hit, Outcome, Role};
+use crate::algorithm::Micros;
+use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
 struct Batch {
