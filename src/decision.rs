@@ -1,8 +1,9 @@
-//! The vocabulary every layer shares about one decision: the hits a request becomes, how a
-//! refusal charges them, their outcomes, what can go wrong in a backend and what to answer
-//! then. It sits below `config`, `metrics` and `backend`, so that none of them imports
-//! another for a word (a rule names a failure policy; a metric counts an outcome) and the
-//! layers point one way: vocabulary, then rules and metrics, then backends.
+//! The vocabulary every layer shares about one decision: the hits a request becomes and what
+//! each asks of an algorithm, how a refusal charges them, their outcomes, what can go wrong
+//! in a backend and what to answer then. It sits below `algorithm`, `config`, `metrics` and
+//! `backend`, so that none of them imports another for a word (a rule names a failure
+//! policy; a metric counts an outcome) and the layers point one way: vocabulary, then
+//! algorithms, rules and metrics, then backends.
 
 use std::fmt;
 use std::time::Duration;

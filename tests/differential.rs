@@ -100,9 +100,9 @@ fn random_limit(rng: &mut fastrand::Rng) -> Limit {
     let algorithm = Kind::ALL[rng.usize(..Kind::ALL.len())];
     let window = [1, 10, 60][rng.usize(..3)];
     let rate = if rng.u8(..20) == 0 { 0 } else { rng.u32(1..=8) };
-    let burst = match algorithm {
-        Kind::TokenBucket => rng.u32(1..=rate.max(1) + 2),
-        _ => rate,
+    let burst = match algorithm.takes_burst() {
+        true => rng.u32(1..=rate.max(1) + 2),
+        false => rate,
     };
     limit(algorithm, rate, window, burst)
 }
@@ -192,7 +192,9 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
     placed
         .into_iter()
         .map(|(limit, shard)| {
-            let lease = (limit.algorithm == Kind::Concurrency)
+            let lease = limit
+                .algorithm
+                .in_flight()
                 .then(|| match (release, units) {
                     (true, _) => Some((LeaseOp::Release, request_id.clone())),
                     (false, 0) => None,

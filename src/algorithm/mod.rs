@@ -72,7 +72,12 @@ macro_rules! expand {
         impl KeyState {
             /// Decide whether `cost` fits `limit` on `state`, without changing anything. No
             /// state, or one of another algorithm (the rule changed), reads as a fresh key's.
-            pub fn check(state: Option<&KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
+            pub fn check(
+                state: Option<&KeyState>,
+                limit: &Limit,
+                now: Micros,
+                cost: Cost<'_>,
+            ) -> Outcome {
                 match (limit.algorithm, state) {
                     $(
                         (Kind::$kind, Some(KeyState::$kind(state))) => {
@@ -87,18 +92,23 @@ macro_rules! expand {
 
             /// Record `cost` (as [`Algorithm::commit`]) on `state`, which starts afresh when
             /// empty or of another algorithm. Returns when the state expires.
-            pub fn commit(state: &mut Option<KeyState>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Micros {
+            pub fn commit(
+                state: &mut Option<KeyState>,
+                limit: &Limit,
+                now: Micros,
+                cost: Cost<'_>,
+            ) -> Micros {
                 match limit.algorithm {
                     $(
                         Kind::$kind => {
-                            if !matches!(state, Some(KeyState::$kind(_))) {
-                                *state = Some(KeyState::$kind(Default::default()));
-                            }
-                            let Some(KeyState::$kind(state)) = state else {
-                                unreachable!("set just above")
+                            let mut own = match state.take() {
+                                Some(KeyState::$kind(own)) => own,
+                                _ => Default::default(),
                             };
-                            $module::$kind::commit(state, limit, now, cost);
-                            $module::$kind::expires_at(state, limit)
+                            $module::$kind::commit(&mut own, limit, now, cost);
+                            let expires_at = $module::$kind::expires_at(&own, limit);
+                            *state = Some(KeyState::$kind(own));
+                            expires_at
                         }
                     )+
                 }
@@ -110,7 +120,11 @@ macro_rules! expand {
             /// functions (see `backend::redis::twins`).
             pub fn lua(self) -> &'static str {
                 match self {
-                    $(Kind::$kind => include_str!(concat!("../../lua/", stringify!($module), ".lua")),)+
+                    $(
+                        Kind::$kind => {
+                            include_str!(concat!("../../lua/", stringify!($module), ".lua"))
+                        }
+                    )+
                 }
             }
 

@@ -38,13 +38,14 @@ pub(super) fn script(driver: &str) -> String {
         source.push_str(kind.lua());
         source.push_str("\nend\n");
     }
-    let functions = FUNCTIONS.map(|f| format!("type(twin.{f}) == 'function'"));
+    let complete = FUNCTIONS.map(|f| format!("type(twin.{f}) == 'function'"));
     let _ = writeln!(
         source,
         "local function bind(name, twin)\n  \
-         assert(type(twin) == 'table' and {}, 'the Lua twin bound to ' .. name .. ' lacks a function')\n  \
+         assert(type(twin) == 'table' and {},\n    \
+         'the Lua twin bound to ' .. name .. ' lacks a function')\n  \
          return twin\nend",
-        functions.join(" and ")
+        complete.join(" and ")
     );
     source.push_str("local ALGORITHMS = {\n");
     for (name, kind, layout) in bindings() {
