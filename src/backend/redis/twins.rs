@@ -4,18 +4,16 @@
 //! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
 //! functions (`check`, `commit`, `undo`, `refund`), given its key layout as argument. Here
 //! each is wrapped in a function, defined before the driver's `ALGORITHMS` table exists (so a
-//! twin cannot register itself, under its own name or another), then called once per layout
-//! it serves and bound under `KeyLayout::script_name`, the very name a call asks for. Every
-//! binding is checked as the script starts, so a twin that returns no table fails every call,
-//! not only the calls that use it.
+//! twin cannot register itself, under its own name or another), and bound once per layout it
+//! serves under `KeyLayout::script_name`, the very name a call asks for. A call makes only
+//! the twins its hits use (the first lookup of a name makes its table), which costs less
+//! than making them all; a name nothing is bound to, or a twin that returns no table, is an
+//! error naming it.
 
 use std::fmt::Write;
 
 use super::KeyLayout;
 use crate::limit::Kind;
-
-/// The functions the driver (`lua/batch.lua`) calls on a twin.
-const FUNCTIONS: [&str; 4] = ["check", "commit", "undo", "refund"];
 
 /// Every twin's script name, kind and layout: one per kind and layout it is kept in.
 fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
@@ -30,6 +28,19 @@ fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
     bound
 }
 
+/// Makes a twin's table on the first lookup of its name in `ALGORITHMS`.
+const MAKE_ON_LOOKUP: &str = "\
+local ALGORITHMS = setmetatable({}, {
+  __index = function(made, name)
+    local twin = TWINS[name] or error('no Lua twin is bound to ' .. tostring(name))
+    local algorithm = twin[1](twin[2])
+      or error('the Lua twin of ' .. name .. ' returned nothing')
+    made[name] = algorithm
+    return algorithm
+  end,
+})
+";
+
 /// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
 pub(super) fn script(driver: &str) -> String {
     let mut source = String::new();
@@ -38,25 +49,17 @@ pub(super) fn script(driver: &str) -> String {
         source.push_str(kind.lua());
         source.push_str("\nend\n");
     }
-    let complete = FUNCTIONS.map(|f| format!("type(twin.{f}) == 'function'"));
-    let _ = writeln!(
-        source,
-        "local function bind(name, twin)\n  \
-         assert(type(twin) == 'table' and {},\n    \
-         'the Lua twin bound to ' .. name .. ' lacks a function')\n  \
-         return twin\nend",
-        complete.join(" and ")
-    );
-    source.push_str("local ALGORITHMS = {\n");
+    source.push_str("local TWINS = {\n");
     for (name, kind, layout) in bindings() {
         let _ = writeln!(
             source,
-            "  [{name:?}] = bind({name:?}, {}_twin({:?})),",
+            "  [{name:?}] = {{{}_twin, {:?}}},",
             kind.name(),
             layout.lua_name()
         );
     }
     source.push_str("}\n");
+    source.push_str(MAKE_ON_LOOKUP);
     source.push_str(driver);
     source
 }
@@ -71,8 +74,8 @@ mod tests {
         for kind in Kind::ALL {
             for layout in KeyLayout::ALL {
                 let name = layout.script_name(kind);
-                let twin = format!("{}_twin({:?})", kind.name(), layout.of(kind).lua_name());
-                let binding = format!("  [{name:?}] = bind({name:?}, {twin}),\n");
+                let twin = format!("{}_twin, {:?}", kind.name(), layout.of(kind).lua_name());
+                let binding = format!("  [{name:?}] = {{{twin}}},\n");
                 assert!(script.contains(&binding), "{kind} in {layout:?}: {binding}");
             }
         }
@@ -82,13 +85,15 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with("}\n-- driver"));
+        assert!(script.ends_with("})\n-- driver"));
     }
 
     #[test]
-    fn no_twin_names_the_drivers_table() {
+    fn no_twin_names_the_tables_binding_them() {
         for kind in Kind::ALL {
-            assert!(!kind.lua().contains("ALGORITHMS"), "{kind}");
+            for table in ["ALGORITHMS", "TWINS"] {
+                assert!(!kind.lua().contains(table), "{kind} names {table}");
+            }
         }
     }
 }
