@@ -2,7 +2,8 @@
 //! the burst a token bucket tolerates.
 //!
 //! These types sit between the rules (which produce them) and the backends (which only ever
-//! see them), so neither side depends on the other.
+//! see them), so neither side depends on the other. The registry of algorithms is here too,
+//! at the bottom of the layers, since `Limit` names a `Kind` and the algorithms read a `Limit`.
 
 use std::fmt;
 
@@ -105,8 +106,7 @@ impl fmt::Display for Unit {
 /// in the rules (`algorithm:`). This list is the only one: `Kind` below, and in
 /// `crate::algorithm` the modules, the twins' sources and the dispatch from a `Kind` to its
 /// arithmetic and state, are all expanded from it, so a missing file or trait impl is a
-/// compile error. It lives here, below `algorithm`, because `Limit` names a `Kind` and the
-/// algorithms read a `Limit`.
+/// compile error.
 ///
 /// Expands `$then! { $( #[attrs] Variant module, )+ }`.
 macro_rules! algorithms {
