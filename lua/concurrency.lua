@@ -21,7 +21,7 @@ local function restore(h, id, expiry)
   end
 end
 
-ALGORITHMS.concurrency = {
+local twin = {
   check = function(h, now)
     redis.call('ZREMRANGEBYSCORE', h.key, '-inf', now)
     local live = redis.call('ZCARD', h.key)
@@ -76,3 +76,4 @@ ALGORITHMS.concurrency = {
     end
   end,
 }
+return twin

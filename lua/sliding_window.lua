@@ -6,7 +6,7 @@ local function cost_of(member)
   return tonumber(string.match(member, '(%d+)$'))
 end
 
-ALGORITHMS.sliding_window = {
+local twin = {
   check = function(h, now)
     local log, sum = h.key, h.key .. ':n'
     local window = h.window * 1000000
@@ -70,4 +70,5 @@ ALGORITHMS.sliding_window = {
     end
   end,
 }
-ALGORITHMS.sliding_window.undo = ALGORITHMS.sliding_window.refund
+twin.undo = twin.refund
+return twin

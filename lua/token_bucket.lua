@@ -16,7 +16,7 @@ local function store(key, tat, now)
   end
 end
 
-ALGORITHMS.token_bucket = {
+local twin = {
   check = function(h, now)
     local window = h.window * 1000000
     if h.limit == 0 or h.hits > h.burst then
@@ -59,3 +59,4 @@ ALGORITHMS.token_bucket = {
     store(h.key, tat - give, now)
   end,
 }
+return twin

@@ -1,13 +1,13 @@
-//! The vocabulary every layer shares about one decision: the hits a request becomes, how a
-//! refusal charges them, their outcomes, what can go wrong in a backend and what to answer
-//! then. It sits below `config`, `metrics` and `backend`, so that none of them imports
-//! another for a word (a rule names a failure policy; a metric counts an outcome) and the
-//! layers point one way: vocabulary, then rules and metrics, then backends.
+//! The vocabulary every layer shares about one decision: the hits a request becomes and what
+//! each asks of an algorithm, how a refusal charges them, their outcomes, what can go wrong
+//! in a backend and what to answer then. It sits below `algorithm`, `config`, `metrics` and
+//! `backend`, so that none of them imports another for a word (a rule names a failure
+//! policy; a metric counts an outcome) and the layers point one way: vocabulary, then
+//! algorithms, rules and metrics, then backends.
 
 use std::fmt;
 use std::time::Duration;
 
-use crate::algorithm::{Cost, LeaseOp};
 use crate::limit::Limit;
 
 /// How a hit's verdict bears on the request's.
@@ -48,6 +48,31 @@ impl Hit {
     }
 }
 
+/// What a concurrency limit's hit does with its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseOp {
+    /// Take a lease for the request (a request's call on the request path).
+    Acquire,
+    /// Give it back (Envoy's call when the stream is done, with negative hits).
+    Release,
+}
+
+/// What one hit asks of an algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cost<'a> {
+    /// Units to charge; 0 reads without charging.
+    pub units: u64,
+    /// For a concurrency limit: the request's lease and what to do with it.
+    pub lease: Option<(LeaseOp, &'a str)>,
+}
+
+impl Cost<'_> {
+    /// A plain cost of `units`, with no lease.
+    pub fn units(units: u64) -> Cost<'static> {
+        Cost { units, lease: None }
+    }
+}
+
 /// When a request is refused, what its admitted hits cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Charging {
@@ -61,12 +86,15 @@ pub enum Charging {
     Nothing,
 }
 
-/// The verdict on one hit.
+/// The answer on one hit, whoever gives it: an algorithm's arithmetic (before anything is
+/// written), a backend, a lease pool or the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     pub admitted: bool,
+    /// Units left once this hit is recorded (0 when refused).
     pub remaining: u32,
-    /// Admitted: until the limit is back to full. Refused: until the same hit would pass.
+    /// Admitted: until the limit is back to full. Refused: until a hit of the same cost would
+    /// be admitted (the exact retry time).
     pub reset_after: Duration,
 }
 

@@ -23,7 +23,7 @@ use envoy_types::pb::google::protobuf::UInt64Value;
 
 use crate::cli::ExplainArgs;
 use crate::config::{DomainRules, Miss, Rule, RuleSet};
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 
 /// How long the instance gets to answer, connection included.
 const INSTANCE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -219,7 +219,7 @@ fn describe(out: &mut String, rule: &Rule) {
 }
 
 fn limit_text(limit: &Limit) -> String {
-    if limit.algorithm == Algorithm::Concurrency {
+    if limit.algorithm.in_flight() {
         return format!(
             "{} in flight, concurrency, a lease held at most {}s",
             limit.requests_per_unit, limit.window
@@ -232,7 +232,7 @@ fn limit_text(limit: &Limit) -> String {
     if limit.window != limit.unit.seconds() {
         let _ = write!(text, ", window {}s", limit.window);
     }
-    if limit.algorithm == Algorithm::TokenBucket {
+    if limit.algorithm.takes_burst() {
         let _ = write!(text, ", burst {}", limit.burst);
     }
     if limit.lease > 1 {

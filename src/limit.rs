@@ -2,7 +2,8 @@
 //! the burst a token bucket tolerates.
 //!
 //! These types sit between the rules (which produce them) and the backends (which only ever
-//! see them), so neither side depends on the other.
+//! see them), so neither side depends on the other. The registry of algorithms is here too,
+//! at the bottom of the layers, since `Limit` names a `Kind` and the algorithms read a `Limit`.
 
 use std::fmt;
 
@@ -99,45 +100,67 @@ impl fmt::Display for Unit {
     }
 }
 
-/// How a limit is enforced. Chosen per rule with the additive YAML field `algorithm:`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Algorithm {
-    /// Counter per epoch-aligned window, as the reference counts. Up to 2x the limit can pass
-    /// in a span of one window that straddles a boundary.
-    #[default]
-    FixedWindow,
-    /// Exact log of admissions: never more than the limit in any interval of one window.
-    SlidingWindow,
-    /// GCRA: a token bucket stored as one theoretical arrival time; `burst` back to back, then
-    /// the steady rate.
-    TokenBucket,
-    /// At most `requests_per_unit` requests in flight; each lease lasts at most one window.
-    Concurrency,
-}
-
-impl Algorithm {
-    pub const ALL: [Algorithm; 4] = [
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindow,
-        Algorithm::TokenBucket,
-        Algorithm::Concurrency,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::FixedWindow => "fixed_window",
-            Algorithm::SlidingWindow => "sliding_window",
-            Algorithm::TokenBucket => "token_bucket",
-            Algorithm::Concurrency => "concurrency",
+/// The registry of algorithms: every algorithm once, as `Variant module`, where
+/// `src/algorithm/<module>.rs` holds its arithmetic (the type `Variant`, implementing
+/// `algorithm::Algorithm`) and `lua/<module>.lua` its Redis twin, and `<module>` is its name
+/// in the rules (`algorithm:`). This list is the only one: `Kind` below, and in
+/// `crate::algorithm` the modules, the twins' sources and the dispatch from a `Kind` to its
+/// arithmetic and state, are all expanded from it, so a missing file or trait impl is a
+/// compile error.
+///
+/// Expands `$then! { $( #[attrs] Variant module, )+ }`.
+macro_rules! algorithms {
+    ($then:ident) => {
+        $then! {
+            /// Counter per epoch-aligned window, as the reference counts. Up to 2x the limit
+            /// can pass in a span of one window that straddles a boundary.
+            #[default]
+            FixedWindow fixed_window,
+            /// Exact log of admissions: never more than the limit in any interval of one
+            /// window.
+            SlidingWindow sliding_window,
+            /// GCRA: a token bucket stored as one theoretical arrival time; `burst` back to
+            /// back, then the steady rate.
+            TokenBucket token_bucket,
+            /// At most `requests_per_unit` requests in flight; each lease lasts at most one
+            /// window.
+            Concurrency concurrency,
         }
-    }
+    };
+}
+pub(crate) use algorithms;
 
-    pub fn parse(name: &str) -> Option<Algorithm> {
-        Algorithm::ALL.into_iter().find(|a| a.name() == name)
+/// Declares `Kind` from the registry.
+macro_rules! kind {
+    ($($(#[$attr:meta])* $kind:ident $module:ident,)+) => {
+        /// How a limit is enforced: which algorithm. Chosen per rule with the additive YAML
+        /// field `algorithm:`.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+        pub enum Kind {
+            $($(#[$attr])* $kind,)+
+        }
+
+        impl Kind {
+            pub const ALL: [Kind; [$(Kind::$kind),+].len()] = [$(Kind::$kind),+];
+
+            /// The name in the rules, which is also the algorithm's module and Lua file.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kind::$kind => stringify!($module),)+
+                }
+            }
+        }
+    };
+}
+algorithms!(kind);
+
+impl Kind {
+    pub fn parse(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|a| a.name() == name)
     }
 }
 
-impl fmt::Display for Algorithm {
+impl fmt::Display for Kind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -148,7 +171,7 @@ impl fmt::Display for Algorithm {
 pub struct Limit {
     pub requests_per_unit: u32,
     pub unit: Unit,
-    pub algorithm: Algorithm,
+    pub algorithm: Kind,
     /// Requests a token bucket admits back to back; equal to `requests_per_unit` unless the
     /// rule says otherwise. Unused by the window algorithms.
     pub burst: u32,
@@ -166,7 +189,7 @@ impl Limit {
         Limit {
             requests_per_unit,
             unit,
-            algorithm: Algorithm::FixedWindow,
+            algorithm: Kind::FixedWindow,
             burst: requests_per_unit,
             window: unit.seconds(),
             lease: 0,

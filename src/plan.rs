@@ -8,12 +8,11 @@
 
 use std::collections::HashSet;
 
-use crate::algorithm::LeaseOp;
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::decision::FailurePolicy;
-use crate::decision::{Hit, Outcome, Role};
+use crate::decision::{Hit, LeaseOp, Outcome, Role};
 use crate::key::{Shard, limit_key};
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 use crate::metrics::StatsKey;
 use crate::request::{CheckRequest, Descriptor};
 
@@ -82,7 +81,7 @@ pub struct Plan<'a> {
 /// A concurrency limit's lease: named by the descriptor's last entry (the request), given
 /// back on negative hits, taken otherwise (unless the call only reads).
 fn lease(descriptor: &Descriptor<'_>, limit: &Limit) -> Option<(LeaseOp, String)> {
-    if limit.algorithm != Algorithm::Concurrency {
+    if !limit.algorithm.in_flight() {
         return None;
     }
     let (_, id) = descriptor.entries.last()?;

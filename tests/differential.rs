@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
-use turnstile::algorithm::{LeaseOp, Micros};
+use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::{Charging, Hit, Outcome, Role};
-use turnstile::limit::{Algorithm, Limit, Unit};
+use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::limit::{Kind, Limit, Unit};
 
 /// Sequences per run, and requests per sequence: ~2 400 requests on each of the three
 /// backends, a few seconds on a CI runner.
@@ -70,7 +70,7 @@ async fn backends(server: &RedisServer, cluster: &RedisCluster) -> Backends {
     }
 }
 
-fn limit(algorithm: Algorithm, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
+fn limit(algorithm: Kind, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
     let unit = match window {
         60 => Unit::Minute,
         3_600 => Unit::Hour,
@@ -97,12 +97,12 @@ struct Rule {
 }
 
 fn random_limit(rng: &mut fastrand::Rng) -> Limit {
-    let algorithm = Algorithm::ALL[rng.usize(..Algorithm::ALL.len())];
+    let algorithm = Kind::ALL[rng.usize(..Kind::ALL.len())];
     let window = [1, 10, 60][rng.usize(..3)];
     let rate = if rng.u8(..20) == 0 { 0 } else { rng.u32(1..=8) };
-    let burst = match algorithm {
-        Algorithm::TokenBucket => rng.u32(1..=rate.max(1) + 2),
-        _ => rate,
+    let burst = match algorithm.takes_burst() {
+        true => rng.u32(1..=rate.max(1) + 2),
+        false => rate,
     };
     limit(algorithm, rate, window, burst)
 }
@@ -175,7 +175,7 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
         // rule's counter when the window is the same.
         let window = [1, 60][rng.usize(..2)];
         let rate = rng.u32(0..=6);
-        vec![(limit(Algorithm::FixedWindow, rate, window, rate), None)]
+        vec![(limit(Kind::FixedWindow, rate, window, rate), None)]
     } else {
         rule.limits
             .iter()
@@ -192,7 +192,9 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
     placed
         .into_iter()
         .map(|(limit, shard)| {
-            let lease = (limit.algorithm == Algorithm::Concurrency)
+            let lease = limit
+                .algorithm
+                .in_flight()
                 .then(|| match (release, units) {
                     (true, _) => Some((LeaseOp::Release, request_id.clone())),
                     (false, 0) => None,
@@ -290,7 +292,7 @@ async fn drifts_once_found_stay_fixed() {
     let server = RedisServer::start();
     let cluster = RedisCluster::shared();
     let backends = backends(&server, &cluster).await;
-    let five = limit(Algorithm::Concurrency, 5, 60, 5);
+    let five = limit(Kind::Concurrency, 5, 60, 5);
     let lease = |key: &str, op, id: &str| Hit {
         key: key.into(),
         limit: five,
@@ -306,7 +308,7 @@ async fn drifts_once_found_stay_fixed() {
     // A key in another Cluster slot than "lease-*", refusing everything.
     let never = Hit {
         key: "never".into(),
-        limit: limit(Algorithm::FixedWindow, 0, 60, 0),
+        limit: limit(Kind::FixedWindow, 0, 60, 0),
         hits: 1,
         role: Role::Enforce,
         lease: None,

@@ -10,12 +10,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
 use tokio::time::sleep;
-use turnstile::algorithm::LeaseOp;
 use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::{BackendError, Charging, Hit, Outcome, Role};
-use turnstile::limit::{Algorithm, Limit, Unit};
+use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::limit::{Kind, Limit, Unit};
 
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3_600);
@@ -23,11 +22,7 @@ const MINUTE_US: u64 = 60_000_000;
 
 /// The algorithms that count units over time (concurrency limits have tests of their own:
 /// their hits need a lease).
-const RATE_ALGORITHMS: [Algorithm; 3] = [
-    Algorithm::FixedWindow,
-    Algorithm::SlidingWindow,
-    Algorithm::TokenBucket,
-];
+const RATE_ALGORITHMS: [Kind; 3] = [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket];
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -55,7 +50,7 @@ async fn clustered(cluster: &RedisCluster, prefix: &str) -> RedisBackend {
         .expect("connect to the cluster")
 }
 
-fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
+fn limit(algorithm: Kind, requests_per_unit: u32, unit: Unit) -> Limit {
     Limit {
         requests_per_unit,
         unit,
@@ -164,7 +159,7 @@ fn cached_scripts(server: &RedisServer) -> u64 {
 /// Multi-descriptor requests with every role and both chargings: the backends must agree on
 /// every verdict and count, and on the reset within clock skew.
 async fn fixed_window_script(backend: &impl Backend) -> Vec<Outcome> {
-    let fixed = |n| limit(Algorithm::FixedWindow, n, Unit::Hour);
+    let fixed = |n| limit(Kind::FixedWindow, n, Unit::Hour);
     let (a, b, c, d) = (fixed(5), fixed(2), fixed(3), fixed(3));
     let shadow = role(hit("s", fixed(0), 1), Role::Shadow);
     let q1 = role(hit("q1", fixed(1), 1), Role::Quota);
@@ -253,7 +248,7 @@ async fn cluster_single_and_memory_give_the_same_fixed_window_answers() {
 async fn sliding_window_remaining_and_reset_are_exact() {
     let server = RedisServer::start();
     let b = single(&server, "sw:").await;
-    let k = |hits| hit("k", limit(Algorithm::SlidingWindow, 3, Unit::Minute), hits);
+    let k = |hits| hit("k", limit(Kind::SlidingWindow, 3, Unit::Minute), hits);
 
     let read = one(&b, &k(0)).await;
     assert_eq!(
@@ -311,7 +306,7 @@ async fn token_bucket_remaining_and_reset_are_exact() {
     // 60 per minute: one token per second, burst 3.
     let bucket = Limit {
         burst: 3,
-        ..limit(Algorithm::TokenBucket, 60, Unit::Minute)
+        ..limit(Kind::TokenBucket, 60, Unit::Minute)
     };
     let k = |hits| hit("k", bucket, hits);
 
@@ -361,7 +356,7 @@ async fn token_bucket_remaining_and_reset_are_exact() {
 async fn fixed_window_admits_twice_the_limit_across_a_boundary() {
     let server = RedisServer::start();
     let b = single(&server, "fb:").await;
-    let k = hit("k", limit(Algorithm::FixedWindow, 3, Unit::Second), 1);
+    let k = hit("k", limit(Kind::FixedWindow, 3, Unit::Second), 1);
     // Hammer from 300 ms before a second boundary to 300 ms after it; retry if the machine
     // stalled so much that the run did not straddle a boundary.
     for _attempt in 0..3 {
@@ -391,7 +386,7 @@ async fn fixed_window_admits_twice_the_limit_across_a_boundary() {
 async fn sliding_window_never_admits_more_than_the_limit_in_any_window() {
     let server = RedisServer::start();
     let b = single(&server, "sl:").await;
-    let k = hit("k", limit(Algorithm::SlidingWindow, 5, Unit::Second), 1);
+    let k = hit("k", limit(Kind::SlidingWindow, 5, Unit::Second), 1);
     let start = Instant::now();
     let mut admitted = Vec::new();
     while start.elapsed() < Duration::from_millis(2_200) {
@@ -425,7 +420,7 @@ async fn token_bucket_admits_the_burst_then_the_steady_rate() {
     // 10 per second (one per 100 ms), burst 5.
     let bucket = Limit {
         burst: 5,
-        ..limit(Algorithm::TokenBucket, 10, Unit::Second)
+        ..limit(Kind::TokenBucket, 10, Unit::Second)
     };
     let k = hit("k", bucket, 1);
     let mut admitted = Vec::new();
@@ -500,10 +495,7 @@ async fn costs_above_one_count_and_zero_costs_only_read() {
 
 /// A wide and a narrow limit of each algorithm in one request: a refusal by the narrow one
 /// charges the wide one only under per-descriptor charging.
-async fn refusal_charges_per_charging_mode(
-    b: &RedisBackend,
-    names: impl Fn(Algorithm) -> Vec<String>,
-) {
+async fn refusal_charges_per_charging_mode(b: &RedisBackend, names: impl Fn(Kind) -> Vec<String>) {
     for algorithm in RATE_ALGORITHMS {
         let names = names(algorithm);
         let wide = hit(&names[0], limit(algorithm, 10, Unit::Minute), 1);
@@ -569,13 +561,13 @@ async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
             .collect::<Vec<_>>(),
     )
     .unwrap();
-    let sliding = limit(Algorithm::SlidingWindow, 10, Unit::Minute);
+    let sliding = limit(Kind::SlidingWindow, 10, Unit::Minute);
     let request = [
         hit("a", sliding, 1),
-        hit(&b_name, limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
+        hit(&b_name, limit(Kind::FixedWindow, 1, Unit::Minute), 1),
         hit(&z, sliding, 0),
         hit(&c, sliding, 1),
-        hit(&d_name, limit(Algorithm::TokenBucket, 10, Unit::Minute), 1),
+        hit(&d_name, limit(Kind::TokenBucket, 10, Unit::Minute), 1),
     ];
     let admitted = |o: &[Outcome]| o.iter().map(|o| o.admitted).collect::<Vec<_>>();
     let remaining = async |b: &RedisBackend| {
@@ -632,7 +624,7 @@ async fn mixed_run(b: &RedisBackend) {
         }
         let lease = Hit {
             lease: Some((LeaseOp::Acquire, format!("request-{n}"))),
-            ..hit("leases", limit(Algorithm::Concurrency, 3, Unit::Hour), 1)
+            ..hit("leases", limit(Kind::Concurrency, 3, Unit::Hour), 1)
         };
         b.evaluate(&[lease], Charging::Atomic)
             .await
@@ -685,10 +677,10 @@ async fn cluster_keys_expire_and_share_their_limits_slot() {
 
 /// Requests while the script cache is flushed every 10 of them: none may fail.
 async fn survive_script_flushes(b: &RedisBackend, servers: &[&RedisServer], key: &str) {
-    let k = hit(key, limit(Algorithm::SlidingWindow, 1000, Unit::Minute), 1);
+    let k = hit(key, limit(Kind::SlidingWindow, 1000, Unit::Minute), 1);
     let other = hit(
         &format!("{key}-2"),
-        limit(Algorithm::FixedWindow, 1000, Unit::Minute),
+        limit(Kind::FixedWindow, 1000, Unit::Minute),
         1,
     );
     for n in 0..60 {
@@ -732,7 +724,7 @@ async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
     })
     .await
     .unwrap();
-    let k = hit("k", limit(Algorithm::FixedWindow, 10, Unit::Minute), 1);
+    let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Minute), 1);
     assert!(b.ready().await);
     assert!(one(&b, &k).await.admitted);
 
@@ -763,11 +755,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
     let single = single(&server, "late:").await;
     let clustered = clustered(&cluster, "late:").await;
     away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
-    for algorithm in [
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindow,
-        Algorithm::TokenBucket,
-    ] {
+    for algorithm in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
         let l = limit(algorithm, 10, Unit::Hour);
         let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
             (
@@ -817,7 +805,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
 async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
     let mut server = RedisServer::start();
     let b = single(&server, "rs:").await;
-    let k = hit("k", limit(Algorithm::TokenBucket, 10, Unit::Minute), 1);
+    let k = hit("k", limit(Kind::TokenBucket, 10, Unit::Minute), 1);
     assert_eq!(one(&b, &k).await.remaining, 9);
     assert_eq!(one(&b, &k).await.remaining, 8);
 
@@ -880,7 +868,7 @@ async fn connect_reports_bad_configurations() {
     .expect("password and database from the URL");
     one(
         &allowed,
-        &hit("k", limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
+        &hit("k", limit(Kind::FixedWindow, 1, Unit::Minute), 1),
     )
     .await;
     let in_db3: u64 = {
@@ -929,7 +917,7 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
     })
     .await
     .expect("connect through the sentinel");
-    let k = hit("k", limit(Algorithm::FixedWindow, 100, Unit::Hour), 1);
+    let k = hit("k", limit(Kind::FixedWindow, 100, Unit::Hour), 1);
     assert_eq!(one(&b, &k).await.remaining, 99);
     let state = db_state(&master, 2);
     assert_eq!(state.len(), 1, "state lives on the master, in database 2");
@@ -1001,7 +989,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     let server = RedisServer::start();
     let metrics = Arc::new(Metrics::new(0.8, 100));
     let cache = OverLimitCache::new(single(&server, "").await, 1_000, metrics.clone());
-    let one_per_hour = limit(Algorithm::FixedWindow, 1, Unit::Hour);
+    let one_per_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let hot = hit("hot", one_per_hour, 1);
     away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
     assert!(one(&cache, &hot).await.admitted);
@@ -1025,7 +1013,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     assert!(read.admitted, "a read at the limit is not over it");
     let raised = one(
         &cache,
-        &hit("hot", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1),
+        &hit("hot", limit(Kind::FixedWindow, 5, Unit::Hour), 1),
     )
     .await;
     assert_eq!((raised.admitted, raised.remaining), (true, 3));
@@ -1033,7 +1021,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
 
     // A request that the cache refuses is answered without a round trip and charges nothing
     // on its other hits.
-    let other = hit("other", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
+    let other = hit("other", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
     assert_eq!(one(&cache, &other).await.remaining, 9);
     let calls = script_calls(&server);
     let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
@@ -1134,7 +1122,7 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
     let backend = RedisBackend::connect(&full)
         .await
         .expect("TLS with a client certificate");
-    let h = hit("tls", limit(Algorithm::TokenBucket, 5, Unit::Minute), 1);
+    let h = hit("tls", limit(Kind::TokenBucket, 5, Unit::Minute), 1);
     assert_eq!(one(&backend, &h).await.remaining, 4);
 
     let no_client_cert = with(RedisTls {
@@ -1162,7 +1150,7 @@ async fn redis_auth_applies_to_urls_without_credentials() {
         auth: Some(auth.into()),
         ..config(vec![bare.clone()], RedisMode::Single, "")
     };
-    let h = hit("auth", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1);
+    let h = hit("auth", limit(Kind::FixedWindow, 5, Unit::Hour), 1);
     let backend = RedisBackend::connect(&with_auth("s3cret"))
         .await
         .expect("password");
@@ -1434,7 +1422,7 @@ async fn a_unix_socket_url_reaches_redis() {
     let backend = RedisBackend::connect(&config(vec![url], RedisMode::Single, ""))
         .await
         .expect("connect over the socket");
-    let h = hit("sock", limit(Algorithm::SlidingWindow, 2, Unit::Minute), 1);
+    let h = hit("sock", limit(Kind::SlidingWindow, 2, Unit::Minute), 1);
     assert_eq!(one(&backend, &h).await.remaining, 1);
 }
 
@@ -1547,21 +1535,17 @@ async fn retry_times_are_when_admission_resumes() {
     let single = single(&server, "retry:").await;
     let clustered = clustered(&cluster, "retry:").await;
     let cases = [
-        (
-            "fixed_window",
-            limit(Algorithm::FixedWindow, 1, Unit::Second),
-            1,
-        ),
+        ("fixed_window", limit(Kind::FixedWindow, 1, Unit::Second), 1),
         (
             "sliding_window",
-            limit(Algorithm::SlidingWindow, 2, Unit::Second),
+            limit(Kind::SlidingWindow, 2, Unit::Second),
             2,
         ),
         (
             "token_bucket",
             Limit {
                 burst: 1,
-                ..limit(Algorithm::TokenBucket, 5, Unit::Second)
+                ..limit(Kind::TokenBucket, 5, Unit::Second)
             },
             1,
         ),

@@ -10,8 +10,10 @@
 //! hold its lease.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
-use super::{Algorithm, Cost, LeaseOp, Micros, Verdict, clamp_u32, window_micros};
+use super::{Algorithm, Micros, clamp_u32, window_micros};
+use crate::decision::{Cost, LeaseOp, Outcome};
 use crate::limit::Limit;
 
 pub struct Concurrency;
@@ -34,16 +36,16 @@ impl State {
 
 impl Algorithm for Concurrency {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/concurrency.lua");
+    const IN_FLIGHT: bool = true;
 
-    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let max = u64::from(limit.requests_per_unit);
         let live = state.live(now).count() as u64;
         let window = window_micros(limit);
-        let ok = |in_flight: u64| Verdict {
+        let ok = |in_flight: u64| Outcome {
             admitted: true,
             remaining: clamp_u32(max.saturating_sub(in_flight)),
-            reset_after: window,
+            reset_after: Duration::from_micros(window),
         };
         match cost.lease {
             Some((LeaseOp::Release, id)) => ok(live - u64::from(state.holds(id, now))),
@@ -55,10 +57,10 @@ impl Algorithm for Concurrency {
                     // Refused until the oldest lease expires, at the latest (a release can
                     // free a place sooner).
                     let first = state.live(now).map(|(_, e)| *e).min();
-                    Verdict {
+                    Outcome {
                         admitted: false,
                         remaining: 0,
-                        reset_after: first.map_or(window, |e| e - now),
+                        reset_after: Duration::from_micros(first.map_or(window, |e| e - now)),
                     }
                 }
             }
@@ -90,11 +92,11 @@ impl Algorithm for Concurrency {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
 
-    fn run(state: &mut State, limit: &Limit, now: Micros, op: LeaseOp, id: &str) -> Verdict {
+    fn run(state: &mut State, limit: &Limit, now: Micros, op: LeaseOp, id: &str) -> Outcome {
         let cost = Cost {
             units: 1,
             lease: Some((op, id)),
@@ -116,7 +118,7 @@ mod tests {
         assert!(!refused.admitted);
         assert_eq!(
             refused.reset_after,
-            60 * MICROS_PER_SECOND - 1,
+            Duration::from_micros(60 * MICROS_PER_SECOND - 1),
             "when a's lease expires"
         );
         assert!(

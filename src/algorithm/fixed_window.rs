@@ -5,7 +5,10 @@
 //! and familiar; its known weakness is up to 2x the limit in a span of one window that
 //! straddles a boundary.
 
-use super::{Algorithm, Cost, MICROS_PER_SECOND, Micros, Verdict, clamp_u32};
+use std::time::Duration;
+
+use super::{Algorithm, MICROS_PER_SECOND, Micros, clamp_u32};
+use crate::decision::{Cost, Outcome};
 use crate::limit::Limit;
 
 pub struct FixedWindow;
@@ -25,9 +28,9 @@ pub fn window_start(limit: &Limit, now: Micros) -> u64 {
 
 impl Algorithm for FixedWindow {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/fixed_window.lua");
+    const BATCHES: bool = true;
 
-    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let hits = cost.units;
         let start = window_start(limit, now);
         let count = if state.window_start == start {
@@ -38,14 +41,14 @@ impl Algorithm for FixedWindow {
         let after = count.saturating_add(hits);
         let admitted = after <= u64::from(limit.requests_per_unit);
         let window_end = (start + limit.window) * MICROS_PER_SECOND;
-        Verdict {
+        Outcome {
             admitted,
             remaining: if admitted {
                 clamp_u32(u64::from(limit.requests_per_unit) - after)
             } else {
                 0
             },
-            reset_after: window_end - now,
+            reset_after: Duration::from_micros(window_end - now),
         }
     }
 
@@ -73,7 +76,7 @@ mod tests {
 
     const T0: Micros = 1_699_999_980 * MICROS_PER_SECOND; // a minute boundary
 
-    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Outcome {
         crate::algorithm::run::<FixedWindow>(state, limit, now, Cost::units(hits))
     }
 
@@ -89,7 +92,7 @@ mod tests {
         );
         let refused = run(&mut s, &limit, now, 1);
         assert!(!refused.admitted);
-        assert_eq!(refused.reset_after, 40 * MICROS_PER_SECOND);
+        assert_eq!(refused.reset_after, Duration::from_micros(40 * MICROS_PER_SECOND));
         // A refused hit is not recorded.
         assert_eq!(s.count, 3);
         // The next window starts from zero.

@@ -3,67 +3,51 @@
 //! An algorithm is pure arithmetic over one key's state: `check` decides without writing,
 //! `commit` records an admitted hit. Keeping the two apart is what lets a backend evaluate
 //! every descriptor of a request first and charge none of them when one refuses. Each
-//! algorithm also ships the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
+//! algorithm also has the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
 //! Redis backend runs on Redis time; the memory backend calls the Rust side directly.
+//!
+//! Which algorithms exist is said once, in the registry `crate::limit::algorithms!`; this
+//! module expands it into the modules, the twins' sources (`Kind::lua`), the state of any
+//! algorithm (`KeyState`) and the dispatch from a `Kind` to its arithmetic, so that nothing
+//! else matches on every `Kind`. Adding an algorithm is one line there, `<name>.rs` here
+//! (with its `Algorithm` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
 
-pub mod concurrency;
-pub mod fixed_window;
-pub mod sliding_window;
-pub mod token_bucket;
-
-use crate::limit::Limit;
+use crate::decision::{Cost, Outcome};
+use crate::limit::{Kind, Limit, algorithms};
 
 /// Microseconds since the Unix epoch: the clock every algorithm reads.
 pub type Micros = u64;
 
 pub const MICROS_PER_SECOND: u64 = 1_000_000;
 
-/// What an algorithm says about one hit, before anything is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
-    pub admitted: bool,
-    /// Units left once this hit is recorded (0 when refused).
-    pub remaining: u32,
-    /// Admitted: time until the state is back to full quota. Refused: time until a hit of
-    /// the same cost would be admitted (the exact retry time).
-    pub reset_after: Micros,
-}
-
-/// What a concurrency limit's hit does with its lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LeaseOp {
-    /// Take a lease for the request (a request's call on the request path).
-    Acquire,
-    /// Give it back (Envoy's call when the stream is done, with negative hits).
-    Release,
-}
-
-/// What one hit asks of an algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cost<'a> {
-    /// Units to charge; 0 reads without charging.
-    pub units: u64,
-    /// For a concurrency limit: the request's lease and what to do with it.
-    pub lease: Option<(LeaseOp, &'a str)>,
-}
-
-impl Cost<'_> {
-    /// A plain cost of `units`, with no lease.
-    pub fn units(units: u64) -> Cost<'static> {
-        Cost { units, lease: None }
-    }
-}
-
 /// One algorithm's arithmetic. Implementations are stateless; the state lives in a backend.
 pub trait Algorithm {
     /// One key's state. `Default` is the state of a key never hit (or expired).
-    type State: Default;
+    type State: Default + Clone + std::fmt::Debug;
 
-    /// The Lua twin of `check`/`commit`, registered in the Redis batch driver.
-    const LUA: &'static str;
+    /// Whether a rule may set `burst`: hits admitted back to back, above the steady rate.
+    const BURST: bool = false;
+
+    /// Whether a rule may set `lease`: an instance takes units from a shared backend ahead
+    /// and spends them locally, which fits only state that counts units, whoever spends them.
+    const BATCHES: bool = false;
+
+    /// The largest `requests_per_unit` a rule may set, for state that grows with it.
+    const MAX_LIMIT: Option<u32> = None;
+
+    /// For an algorithm that `BATCHES`: the longest an instance may keep `units` taken ahead
+    /// unspent (`None`: until the granted hit's reset). A token bucket's must lapse once the
+    /// bucket would have earned them again, or they would pile up into a burst it refuses.
+    fn batch_lapse(_limit: &Limit, _units: u64) -> Option<Micros> {
+        None
+    }
+
+    /// Whether it limits requests in flight (each holding a lease named by the descriptor's
+    /// last entry) rather than a rate.
+    const IN_FLIGHT: bool = false;
 
     /// Decide whether `cost` fits, without changing anything.
-    fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict;
+    fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome;
 
     /// Record a `cost` that `check` admitted at the same `now` (or a lease release, which
     /// always applies).
@@ -72,6 +56,116 @@ pub trait Algorithm {
     /// The instant after which the state is equivalent to `Default`, so it can be dropped.
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;
 }
+
+/// Expands the registry: the modules, and what each `Kind` stands for.
+macro_rules! expand {
+    ($($(#[$attr:meta])* $kind:ident $module:ident,)+) => {
+        $(pub mod $module;)+
+
+        /// One key's state, whatever its algorithm: what a backend keeping state in process
+        /// stores.
+        #[derive(Debug, Clone)]
+        pub enum KeyState {
+            $($kind(<$module::$kind as Algorithm>::State),)+
+        }
+
+        impl KeyState {
+            /// Decide whether `cost` fits `limit` on `state`, without changing anything. No
+            /// state, or one of another algorithm (the rule changed), reads as a fresh key's.
+            pub fn check(
+                state: Option<&KeyState>,
+                limit: &Limit,
+                now: Micros,
+                cost: Cost<'_>,
+            ) -> Outcome {
+                match (limit.algorithm, state) {
+                    $(
+                        (Kind::$kind, Some(KeyState::$kind(state))) => {
+                            $module::$kind::check(state, limit, now, cost)
+                        }
+                        (Kind::$kind, _) => {
+                            $module::$kind::check(&Default::default(), limit, now, cost)
+                        }
+                    )+
+                }
+            }
+
+            /// Record `cost` (as [`Algorithm::commit`]) on `state`, which starts afresh when
+            /// empty or of another algorithm. Returns when the state expires.
+            pub fn commit(
+                state: &mut Option<KeyState>,
+                limit: &Limit,
+                now: Micros,
+                cost: Cost<'_>,
+            ) -> Micros {
+                match limit.algorithm {
+                    $(
+                        Kind::$kind => {
+                            let mut own = match state.take() {
+                                Some(KeyState::$kind(own)) => own,
+                                _ => Default::default(),
+                            };
+                            $module::$kind::commit(&mut own, limit, now, cost);
+                            let expires_at = $module::$kind::expires_at(&own, limit);
+                            *state = Some(KeyState::$kind(own));
+                            expires_at
+                        }
+                    )+
+                }
+            }
+        }
+
+        impl Kind {
+            /// The Lua twin's source: a chunk that returns the algorithm's table of
+            /// functions (see `backend::redis::twins`).
+            pub fn lua(self) -> &'static str {
+                match self {
+                    $(
+                        Kind::$kind => {
+                            include_str!(concat!("../../lua/", stringify!($module), ".lua"))
+                        }
+                    )+
+                }
+            }
+
+            /// See [`Algorithm::BURST`].
+            pub fn takes_burst(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::BURST,)+
+                }
+            }
+
+            /// See [`Algorithm::BATCHES`].
+            pub fn batches(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::BATCHES,)+
+                }
+            }
+
+            /// See [`Algorithm::MAX_LIMIT`].
+            pub fn max_limit(self) -> Option<u32> {
+                match self {
+                    $(Kind::$kind => $module::$kind::MAX_LIMIT,)+
+                }
+            }
+
+            /// See [`Algorithm::batch_lapse`].
+            pub fn batch_lapse(self, limit: &Limit, units: u64) -> Option<Micros> {
+                match self {
+                    $(Kind::$kind => $module::$kind::batch_lapse(limit, units),)+
+                }
+            }
+
+            /// See [`Algorithm::IN_FLIGHT`].
+            pub fn in_flight(self) -> bool {
+                match self {
+                    $(Kind::$kind => $module::$kind::IN_FLIGHT,)+
+                }
+            }
+        }
+    };
+}
+algorithms!(expand);
 
 /// Length of a limit's window in microseconds.
 pub(crate) fn window_micros(limit: &Limit) -> Micros {
@@ -85,7 +179,7 @@ pub(crate) fn run<A: Algorithm>(
     limit: &Limit,
     now: Micros,
     cost: Cost<'_>,
-) -> Verdict {
+) -> Outcome {
     let v = A::check(state, limit, now, cost);
     if v.admitted {
         A::commit(state, limit, now, cost);

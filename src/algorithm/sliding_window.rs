@@ -5,8 +5,10 @@
 //! one entry carrying n), which is why the rules cap `requests_per_unit` for this algorithm.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
-use super::{Algorithm, Cost, Micros, Verdict, clamp_u32, window_micros};
+use super::{Algorithm, Micros, clamp_u32, window_micros};
+use crate::decision::{Cost, Outcome};
 use crate::limit::Limit;
 
 pub struct SlidingWindow;
@@ -56,9 +58,10 @@ impl State {
 
 impl Algorithm for SlidingWindow {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/sliding_window.lua");
+    /// One log entry per admission.
+    const MAX_LIMIT: Option<u32> = Some(10_000);
 
-    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let hits = cost.units;
         let window = window_micros(limit);
         let limit_units = u64::from(limit.requests_per_unit);
@@ -70,10 +73,10 @@ impl Algorithm for SlidingWindow {
             } else {
                 state.live(limit, now).last().map(|(at, _)| *at)
             };
-            return Verdict {
+            return Outcome {
                 admitted: true,
                 remaining: clamp_u32(limit_units - after),
-                reset_after: newest.map_or(0, |at| at + window - now),
+                reset_after: Duration::from_micros(newest.map_or(0, |at| at + window - now)),
             };
         }
         // Refused: wait until enough of the oldest entries have aged out.
@@ -90,10 +93,10 @@ impl Algorithm for SlidingWindow {
                 })
                 .map_or(window, |(at, _)| at + window - now)
         };
-        Verdict {
+        Outcome {
             admitted: false,
             remaining: 0,
-            reset_after,
+            reset_after: Duration::from_micros(reset_after),
         }
     }
 
@@ -118,7 +121,7 @@ impl Algorithm for SlidingWindow {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;
@@ -130,7 +133,7 @@ mod tests {
         }
     }
 
-    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Outcome {
         crate::algorithm::run::<SlidingWindow>(state, limit, now, Cost::units(hits))
     }
 
@@ -167,7 +170,7 @@ mod tests {
         run(&mut s, &l, T0 + 300_000, 1);
         let refused = run(&mut s, &l, T0 + 500_000, 1);
         assert!(!refused.admitted);
-        assert_eq!(refused.reset_after, 500_000);
+        assert_eq!(refused.reset_after, Duration::from_micros(500_000));
         // One microsecond early is still refused; on time is admitted.
         assert!(!run(&mut s, &l, T0 + SEC - 1, 1).admitted);
         assert!(run(&mut s, &l, T0 + SEC + 1, 1).admitted);
@@ -182,9 +185,9 @@ mod tests {
         let refused = run(&mut s, &l, T0 + 200_000, 6);
         assert!(!refused.admitted);
         // 8 + 6 = 14: 4 must go, so the first entry's expiry is enough.
-        assert_eq!(refused.reset_after, SEC - 200_000);
+        assert_eq!(refused.reset_after, Duration::from_micros(SEC - 200_000));
         let never = run(&mut s, &l, T0 + 200_000, 11);
-        assert_eq!(never.reset_after, SEC);
+        assert_eq!(never.reset_after, Duration::from_micros(SEC));
     }
 
     #[test]
@@ -196,6 +199,6 @@ mod tests {
         assert_eq!(s.entries.len(), 1);
         assert_eq!(SlidingWindow::expires_at(&s, &l), T0 + 3 * SEC);
         let read = run(&mut s, &l, T0 + 2 * SEC, 0);
-        assert_eq!((read.remaining, read.reset_after), (2, SEC));
+        assert_eq!((read.remaining, read.reset_after), (2, Duration::from_micros(SEC)));
     }
 }

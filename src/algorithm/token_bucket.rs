@@ -5,7 +5,10 @@
 //! cost n at time t is admitted when `max(TAT, t) + n*T - burst*T <= t`. Refused hits write
 //! nothing. O(1) state and no window boundary to exploit.
 
-use super::{Algorithm, Cost, Micros, Verdict, window_micros};
+use std::time::Duration;
+
+use super::{Algorithm, Micros, window_micros};
+use crate::decision::{Cost, Outcome};
 use crate::limit::Limit;
 
 pub struct TokenBucket;
@@ -27,14 +30,19 @@ fn emission_interval(limit: &Limit) -> Option<f64> {
 
 impl Algorithm for TokenBucket {
     type State = State;
-    const LUA: &'static str = include_str!("../../lua/token_bucket.lua");
+    const BURST: bool = true;
+    const BATCHES: bool = true;
 
-    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
+    fn batch_lapse(limit: &Limit, units: u64) -> Option<Micros> {
+        Some(window_micros(limit) * units / u64::from(limit.requests_per_unit.max(1)))
+    }
+
+    fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let hits = cost.units;
-        let refused_for = |after: f64| Verdict {
+        let refused_for = |after: f64| Outcome {
             admitted: false,
             remaining: 0,
-            reset_after: after.max(0.0).ceil() as Micros,
+            reset_after: Duration::from_micros(after.max(0.0).ceil() as Micros),
         };
         let window = window_micros(limit) as f64;
         let Some(t) = emission_interval(limit) else {
@@ -52,10 +60,10 @@ impl Algorithm for TokenBucket {
         if now + EPSILON < allow_at {
             return refused_for(allow_at - now);
         }
-        Verdict {
+        Outcome {
             admitted: true,
             remaining: ((now - allow_at) / t + EPSILON).floor().max(0.0) as u32,
-            reset_after: (new_tat - now).max(0.0).ceil() as Micros,
+            reset_after: Duration::from_micros((new_tat - now).max(0.0).ceil() as Micros),
         }
     }
 
@@ -75,7 +83,7 @@ impl Algorithm for TokenBucket {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Algorithm as Kind, Unit};
+    use crate::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;
@@ -91,7 +99,7 @@ mod tests {
         }
     }
 
-    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Verdict {
+    fn run(state: &mut State, limit: &Limit, now: Micros, hits: u64) -> Outcome {
         crate::algorithm::run::<TokenBucket>(state, limit, now, Cost::units(hits))
     }
 
@@ -103,7 +111,7 @@ mod tests {
         assert_eq!(burst, [2, 1, 0]);
         let refused = run(&mut s, &l, T0, 1);
         assert!(!refused.admitted);
-        assert_eq!(refused.reset_after, 100_000, "one emission interval");
+        assert_eq!(refused.reset_after, Duration::from_micros(100_000), "one emission interval");
         assert!(!run(&mut s, &l, T0 + 99_999, 1).admitted);
         assert!(run(&mut s, &l, T0 + 100_000, 1).admitted);
         // Over one second of steady demand, about the rate gets through.
@@ -118,7 +126,7 @@ mod tests {
         let l = bucket(60, Unit::Minute, 60);
         let mut s = State::default();
         let first = run(&mut s, &l, T0, 1);
-        assert_eq!((first.remaining, first.reset_after), (59, SEC));
+        assert_eq!((first.remaining, first.reset_after), (59, Duration::from_micros(SEC)));
         let before = s;
         assert!(!run(&mut s, &l, T0, 60).admitted);
         assert_eq!(s, before);
@@ -129,9 +137,9 @@ mod tests {
     fn zero_rate_and_oversized_hits_are_refused_with_a_whole_window() {
         let mut s = State::default();
         let zero = run(&mut s, &bucket(0, Unit::Hour, 1), T0, 1);
-        assert_eq!((zero.admitted, zero.reset_after), (false, 3_600 * SEC));
+        assert_eq!((zero.admitted, zero.reset_after), (false, Duration::from_micros(3_600 * SEC)));
         let big = run(&mut s, &bucket(5, Unit::Second, 5), T0, 6);
-        assert_eq!((big.admitted, big.reset_after), (false, SEC));
+        assert_eq!((big.admitted, big.reset_after), (false, Duration::from_micros(SEC)));
     }
 
     #[test]

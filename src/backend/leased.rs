@@ -14,9 +14,8 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::algorithm::MICROS_PER_SECOND;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 
 /// Units granted by Redis, not yet spent by this instance.
 struct Pool {
@@ -62,14 +61,9 @@ impl<B: Backend> Leased<B> {
 
     fn keep(&self, hit: &Hit, units: u64, granted: &Outcome, now: Instant) {
         let limit = hit.limit;
-        let lapse = match limit.algorithm {
-            // What the bucket takes to earn the lease's units again.
-            Algorithm::TokenBucket => Duration::from_micros(
-                limit.window * MICROS_PER_SECOND * units
-                    / u64::from(limit.requests_per_unit.max(1)),
-            )
-            .min(granted.reset_after),
-            _ => granted.reset_after,
+        let lapse = match limit.algorithm.batch_lapse(&limit, units) {
+            Some(lapse) => Duration::from_micros(lapse).min(granted.reset_after),
+            None => granted.reset_after,
         };
         let mut pools = self.pools();
         if pools.len() >= self.max_pools && !pools.contains_key(&hit.key) {

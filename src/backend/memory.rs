@@ -30,13 +30,8 @@ use indexmap::IndexMap;
 use metrics::Counter;
 
 use super::Backend;
-use crate::algorithm::concurrency::{self, Concurrency};
-use crate::algorithm::fixed_window::{self, FixedWindow};
-use crate::algorithm::sliding_window::{self, SlidingWindow};
-use crate::algorithm::token_bucket::{self, TokenBucket};
-use crate::algorithm::{Algorithm, Cost, Micros, Verdict};
+use crate::algorithm::{KeyState, Micros};
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
-use crate::limit::{Algorithm as Kind, Limit};
 
 const SHARDS: usize = 64;
 
@@ -62,16 +57,9 @@ fn entry_bytes(key: &str) -> usize {
 }
 
 #[derive(Clone)]
-enum KeyState {
-    Fixed(fixed_window::State),
-    Sliding(sliding_window::State),
-    Bucket(token_bucket::State),
-    Leases(concurrency::State),
-}
-
-#[derive(Clone)]
 struct Entry {
-    state: KeyState,
+    /// None until the first commit.
+    state: Option<KeyState>,
     expires_at: Micros,
     /// When a request last checked or charged it: what eviction keeps.
     used_at: Micros,
@@ -81,45 +69,12 @@ impl Entry {
     /// An entry that holds nothing yet (the first commit gives it its algorithm's state).
     fn fresh(now: Micros) -> Entry {
         Entry {
-            state: KeyState::Fixed(fixed_window::State::default()),
+            state: None,
             expires_at: 0,
             used_at: now,
         }
     }
 }
-
-/// Ties an algorithm to its variant of `KeyState`.
-trait Stored: Algorithm {
-    fn get(state: &KeyState) -> Option<&Self::State>;
-    fn get_mut(state: &mut KeyState) -> Option<&mut Self::State>;
-    fn wrap(state: Self::State) -> KeyState;
-}
-
-macro_rules! stored {
-    ($algorithm:ty, $variant:ident) => {
-        impl Stored for $algorithm {
-            fn get(state: &KeyState) -> Option<&Self::State> {
-                match state {
-                    KeyState::$variant(s) => Some(s),
-                    _ => None,
-                }
-            }
-            fn get_mut(state: &mut KeyState) -> Option<&mut Self::State> {
-                match state {
-                    KeyState::$variant(s) => Some(s),
-                    _ => None,
-                }
-            }
-            fn wrap(state: Self::State) -> KeyState {
-                KeyState::$variant(state)
-            }
-        }
-    };
-}
-stored!(FixedWindow, Fixed);
-stored!(SlidingWindow, Sliding);
-stored!(TokenBucket, Bucket);
-stored!(Concurrency, Leases);
 
 /// One shard's entries, and the bytes they are accounted. An index map, so that eviction
 /// can sample entries at random in constant time.
@@ -195,44 +150,21 @@ impl Shard {
     }
 }
 
-fn check<A: Stored>(entry: Option<&Entry>, limit: &Limit, now: Micros, cost: Cost<'_>) -> Verdict {
-    let live = entry
-        .filter(|e| e.expires_at > now)
-        .and_then(|e| A::get(&e.state));
-    match live {
-        Some(state) => A::check(state, limit, now, cost),
-        None => A::check(&A::State::default(), limit, now, cost),
-    }
-}
-
-fn commit<A: Stored>(entry: &mut Entry, limit: &Limit, now: Micros, cost: Cost<'_>) {
-    if entry.expires_at <= now || A::get(&entry.state).is_none() {
-        entry.state = A::wrap(A::State::default());
-    }
-    if let Some(state) = A::get_mut(&mut entry.state) {
-        A::commit(state, limit, now, cost);
-        entry.expires_at = A::expires_at(state, limit);
-    }
-}
-
-fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Verdict {
-    let (limit, cost) = (&hit.limit, hit.cost());
-    match limit.algorithm {
-        Kind::FixedWindow => check::<FixedWindow>(entry, limit, now, cost),
-        Kind::SlidingWindow => check::<SlidingWindow>(entry, limit, now, cost),
-        Kind::TokenBucket => check::<TokenBucket>(entry, limit, now, cost),
-        Kind::Concurrency => check::<Concurrency>(entry, limit, now, cost),
-    }
+fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Outcome {
+    let live = entry.filter(|e| e.expires_at > now);
+    KeyState::check(
+        live.and_then(|e| e.state.as_ref()),
+        &hit.limit,
+        now,
+        hit.cost(),
+    )
 }
 
 fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
-    let (limit, cost) = (&hit.limit, hit.cost());
-    match limit.algorithm {
-        Kind::FixedWindow => commit::<FixedWindow>(entry, limit, now, cost),
-        Kind::SlidingWindow => commit::<SlidingWindow>(entry, limit, now, cost),
-        Kind::TokenBucket => commit::<TokenBucket>(entry, limit, now, cost),
-        Kind::Concurrency => commit::<Concurrency>(entry, limit, now, cost),
+    if entry.expires_at <= now {
+        entry.state = None;
     }
+    entry.expires_at = KeyState::commit(&mut entry.state, &hit.limit, now, hit.cost());
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -342,9 +274,9 @@ impl MemoryBackend {
             .map(|s| order.partition_point(|i| i < s))
             .collect();
 
-        let writes = |h: &Hit, v: &Verdict| h.releases() || (v.admitted && h.hits > 0);
+        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
         let mut scratch: HashMap<&str, Entry> = HashMap::new();
-        let mut verdicts: Vec<Verdict> = Vec::with_capacity(hits.len());
+        let mut verdicts: Vec<Outcome> = Vec::with_capacity(hits.len());
         for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
             let v = match scratch.get(h.key.as_str()) {
                 Some(entry) => check_any(Some(entry), h, now),
@@ -377,14 +309,7 @@ impl MemoryBackend {
                 self.charge(&mut guards[g], h, hits, now);
             }
         }
-        Ok(verdicts
-            .into_iter()
-            .map(|v| Outcome {
-                admitted: v.admitted,
-                remaining: v.remaining,
-                reset_after: Duration::from_micros(v.reset_after),
-            })
-            .collect())
+        Ok(verdicts)
     }
 
     /// Charge `hit`, making room for its key if it is new: the other keys of the request
@@ -434,9 +359,8 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::LeaseOp;
-    use crate::decision::Role;
-    use crate::limit::Unit;
+    use crate::decision::{LeaseOp, Role};
+    use crate::limit::{Kind, Limit, Unit};
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T0: Micros = 1_700_000_000_000_000;
@@ -557,9 +481,8 @@ mod tests {
         for (entries, spared, evicted) in rows {
             let mut shard = Shard::default();
             for &(key, expires_at, used_at) in entries {
-                let state = KeyState::Fixed(fixed_window::State::default());
                 let entry = Entry {
-                    state,
+                    state: None,
                     expires_at,
                     used_at,
                 };

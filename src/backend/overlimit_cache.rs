@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::Backend;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 use crate::metrics::Metrics;
 
 const SHARDS: usize = 16;
@@ -44,7 +44,7 @@ pub struct OverLimitCache<B> {
 /// Refusals that hold until their reset: enforced, charging hits; not concurrency limits,
 /// whose leases can come back at any moment.
 fn cacheable(hit: &Hit) -> bool {
-    hit.role == Role::Enforce && hit.hits > 0 && hit.limit.algorithm != Algorithm::Concurrency
+    hit.role == Role::Enforce && hit.hits > 0 && !hit.limit.algorithm.in_flight()
 }
 
 /// A hit of a refused request that the backend was not asked about: it charged nothing, and
@@ -187,7 +187,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::LeaseOp;
+    use crate::decision::LeaseOp;
     use crate::limit::Unit;
     use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::decision::FailurePolicy;
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 
 /// Every loaded domain, and what they were loaded from; the default is no rules at all.
 #[derive(Debug, Default)]
@@ -238,7 +238,7 @@ impl Rule {
             self.quota_mode,
             limit.algorithm
         );
-        if limit.algorithm == Algorithm::TokenBucket {
+        if limit.algorithm.takes_burst() {
             line += &format!(", burst: {}", limit.burst);
         }
         line

@@ -16,7 +16,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 pub use matcher::{DomainRules, Miss, Rule, RuleSet};
-pub use validate::SLIDING_WINDOW_MAX_LIMIT;
 
 use validate::Validator;
 use yaml::{Kind, Node, Pos};

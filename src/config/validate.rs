@@ -10,11 +10,7 @@ use super::matcher::{DomainRules, Level, Rule, Step};
 use super::model::{DescriptorSpec, DomainSpec, RateLimitSpec};
 use super::yaml::Pos;
 use crate::decision::FailurePolicy;
-use crate::limit::{Algorithm, Limit, Unit};
-
-/// A sliding window keeps one entry per admitted request, so its limit is capped to bound the
-/// state one key can hold.
-pub const SLIDING_WINDOW_MAX_LIMIT: u32 = 10_000;
+use crate::limit::{Kind, Limit, Unit};
 
 /// The most sub-limits one limit may be split over.
 pub const MAX_SHARDS: u32 = 64;
@@ -176,8 +172,8 @@ impl Check<'_> {
                 if shared.iter().any(Option::is_some) {
                     rule.shared = shared.clone();
                 }
-                let concurrency = |l: &Limit| l.algorithm == Algorithm::Concurrency;
-                if rule.limit.iter().chain(&rule.also).any(concurrency) {
+                let in_flight = |l: &Limit| l.algorithm.in_flight();
+                if rule.limit.iter().chain(&rule.also).any(in_flight) {
                     // The last entry names the request (its lease); the limit counts per the
                     // entries before it, so that value is left out of the state's key.
                     if shared.len() < 2 {
@@ -346,15 +342,16 @@ impl Check<'_> {
         };
 
         let algorithm = match &rate_limit.algorithm {
-            None => Some(Algorithm::default()),
+            None => Some(Kind::default()),
             Some(name) => {
-                let algorithm = Algorithm::parse(&name.value);
+                let algorithm = Kind::parse(&name.value);
                 if algorithm.is_none() {
                     self.error(
                         name.pos,
                         format!(
-                            "invalid algorithm '{}' (expected fixed_window, sliding_window, token_bucket or concurrency)",
-                            name.value
+                            "invalid algorithm '{}' (expected {})",
+                            name.value,
+                            algorithms(|_| true)
                         ),
                     );
                 }
@@ -365,16 +362,17 @@ impl Check<'_> {
         // Missing means 0, as in the reference: every request is over the limit.
         let requests_per_unit = rate_limit.requests_per_unit.as_ref().map_or(0, |r| r.value);
         if let Some(given) = &rate_limit.requests_per_unit
-            && algorithm == Some(Algorithm::SlidingWindow)
-            && given.value > SLIDING_WINDOW_MAX_LIMIT
+            && let Some(kind) = algorithm
+            && let Some(max) = kind.max_limit()
+            && given.value > max
         {
             self.error(
                 given.pos,
                 format!(
-                    "sliding_window keeps one entry per admitted request, so requests_per_unit \
-                     must be at most {SLIDING_WINDOW_MAX_LIMIT} (found {}); \
-                     use token_bucket for larger limits",
-                    given.value
+                    "{kind} keeps state per admitted request, so requests_per_unit must be at \
+                     most {max} (found {}); use {} for larger limits",
+                    given.value,
+                    Kind::TokenBucket
                 ),
             );
         }
@@ -382,10 +380,13 @@ impl Check<'_> {
         let burst = match &rate_limit.burst {
             None => requests_per_unit,
             Some(burst) => {
-                if algorithm.is_some_and(|a| a != Algorithm::TokenBucket) {
+                if algorithm.is_some_and(|a| !a.takes_burst()) {
                     self.error(
                         burst.pos,
-                        "burst can only be used with algorithm token_bucket".to_owned(),
+                        format!(
+                            "burst can only be used with algorithm {}",
+                            algorithms(Kind::takes_burst)
+                        ),
                     );
                 } else if burst.value == 0 {
                     self.error(burst.pos, "burst must be at least 1".to_owned());
@@ -398,14 +399,13 @@ impl Check<'_> {
             None => 0,
             Some(lease) => {
                 let most = burst.min(requests_per_unit);
-                if !matches!(
-                    algorithm,
-                    Some(Algorithm::FixedWindow | Algorithm::TokenBucket)
-                ) {
+                if !algorithm.is_some_and(Kind::batches) {
                     self.error(
                         lease.pos,
-                        "lease can only be used with algorithm fixed_window or token_bucket"
-                            .to_owned(),
+                        format!(
+                            "lease can only be used with algorithm {}",
+                            algorithms(Kind::batches)
+                        ),
                     );
                 } else if lease.value == 0 || lease.value > most {
                     self.error(
@@ -431,6 +431,20 @@ impl Check<'_> {
             },
             lease,
         })
+    }
+}
+
+/// The names of the algorithms that `have` something, as "a, b or c".
+fn algorithms(have: impl Fn(Kind) -> bool) -> String {
+    let names: Vec<&str> = Kind::ALL
+        .into_iter()
+        .filter(|&k| have(k))
+        .map(Kind::name)
+        .collect();
+    match names.split_last() {
+        Some((last, [])) => (*last).to_owned(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 
@@ -758,11 +772,11 @@ mod tests {
     fn algorithm_defaults_to_fixed_window() {
         let limit = limit_of("unit: minute\n      requests_per_unit: 7").unwrap();
         assert_eq!(limit, Limit::fixed(7, Unit::Minute));
-        assert_eq!(limit.algorithm, Algorithm::FixedWindow);
+        assert_eq!(limit.algorithm, Kind::FixedWindow);
         let limit =
             limit_of("unit: minute\n      requests_per_unit: 7\n      algorithm: sliding_window")
                 .unwrap();
-        assert_eq!(limit.algorithm, Algorithm::SlidingWindow);
+        assert_eq!(limit.algorithm, Kind::SlidingWindow);
         assert_eq!(limit.burst, 7);
     }
 
@@ -786,7 +800,7 @@ mod tests {
         };
         assert_eq!(limit("").burst, 10);
         assert_eq!(limit("\n      burst: 25").burst, 25);
-        assert_eq!(limit("\n      burst: 25").algorithm, Algorithm::TokenBucket);
+        assert_eq!(limit("\n      burst: 25").algorithm, Kind::TokenBucket);
         assert_eq!(
             one_rule("unit: second\n      algorithm: token_bucket\n      burst: 0").unwrap_err(),
             ["v.yaml:7:14: burst must be at least 1"]
@@ -803,17 +817,15 @@ mod tests {
 
     #[test]
     fn sliding_window_is_capped() {
-        let at_cap = format!(
-            "unit: hour\n      algorithm: sliding_window\n      requests_per_unit: {SLIDING_WINDOW_MAX_LIMIT}"
-        );
-        assert_eq!(limit_of(&at_cap).unwrap().requests_per_unit, 10_000);
+        let at_cap = "unit: hour\n      algorithm: sliding_window\n      requests_per_unit: 10000";
+        assert_eq!(limit_of(at_cap).unwrap().requests_per_unit, 10_000);
         let errors =
             one_rule("unit: hour\n      algorithm: sliding_window\n      requests_per_unit: 10001")
                 .unwrap_err();
         assert_eq!(
             errors,
             [
-                "v.yaml:7:26: sliding_window keeps one entry per admitted request, so requests_per_unit \
+                "v.yaml:7:26: sliding_window keeps state per admitted request, so requests_per_unit \
               must be at most 10000 (found 10001); use token_bucket for larger limits"
             ]
         );

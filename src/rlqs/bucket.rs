@@ -4,7 +4,7 @@
 
 use crate::config::DomainRules;
 use crate::key::limit_key;
-use crate::limit::{Algorithm, Limit};
+use crate::limit::Limit;
 use crate::plan::shared_entries;
 use crate::request::Bounds;
 
@@ -51,7 +51,7 @@ pub fn target<'r>(domain: &'r DomainRules, entries: &[(&str, &str)]) -> Target<'
     match rule.limit {
         None => Target::Unlimited { stats_key },
         Some(_) if rule.shadow_mode => Target::Unlimited { stats_key },
-        Some(limit) if limit.algorithm == Algorithm::Concurrency => Target::Uncovered,
+        Some(limit) if limit.algorithm.in_flight() => Target::Uncovered,
         Some(limit) => Target::Limited {
             key: limit_key(
                 domain.name(),

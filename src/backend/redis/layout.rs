@@ -4,7 +4,7 @@
 //! the Go server count fixed windows on the same keys.
 
 use crate::key::unescape;
-use crate::limit::{Algorithm, Limit};
+use crate::limit::{Kind, Limit};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeyLayout {
@@ -15,8 +15,27 @@ pub enum KeyLayout {
 }
 
 impl KeyLayout {
+    pub(super) const ALL: [KeyLayout; 2] = [KeyLayout::Turnstile, KeyLayout::Reference];
+
+    /// The layout a limit of `kind` is kept in: the reference counts fixed windows only.
+    pub(super) fn of(self, kind: Kind) -> KeyLayout {
+        if kind == Kind::FixedWindow {
+            self
+        } else {
+            KeyLayout::Turnstile
+        }
+    }
+
     fn reference(self, limit: &Limit) -> bool {
-        self == KeyLayout::Reference && limit.algorithm == Algorithm::FixedWindow
+        self.of(limit.algorithm) == KeyLayout::Reference
+    }
+
+    /// The layout's name in Lua, given to each algorithm's twin (see `twins`).
+    pub(super) fn lua_name(self) -> &'static str {
+        match self {
+            KeyLayout::Turnstile => "turnstile",
+            KeyLayout::Reference => "reference",
+        }
     }
 
     /// The Redis key a hit's script call is given (the script derives the rest from it).
@@ -30,12 +49,18 @@ impl KeyLayout {
         }
     }
 
-    /// The script's name for the algorithm.
+    /// The script's name for the algorithm of `limit`.
     pub(super) fn script_algorithm(self, limit: &Limit) -> &'static str {
-        if self.reference(limit) {
-            "fixed_window_reference"
-        } else {
-            limit.algorithm.name()
+        self.script_name(limit.algorithm)
+    }
+
+    /// The script's name for `kind`'s twin in this layout: the one the batch script binds it
+    /// to (see `twins`) and calls ask for.
+    pub(super) fn script_name(self, kind: Kind) -> &'static str {
+        match self.of(kind) {
+            KeyLayout::Turnstile => kind.name(),
+            // Only a fixed window is ever kept in the reference's layout.
+            KeyLayout::Reference => "fixed_window_reference",
         }
     }
 }
@@ -78,7 +103,7 @@ mod tests {
             "fixed_window_reference"
         );
         let bucket = Limit {
-            algorithm: Algorithm::TokenBucket,
+            algorithm: Kind::TokenBucket,
             ..limit
         };
         assert_eq!(

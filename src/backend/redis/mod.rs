@@ -14,6 +14,7 @@ mod connect;
 mod layout;
 mod script;
 mod sentinel;
+mod twins;
 
 use std::fmt;
 use std::sync::Arc;

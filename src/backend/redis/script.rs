@@ -8,15 +8,10 @@ use std::time::Duration;
 
 use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
 
-use super::KeyLayout;
 use super::connect::Pool;
-use crate::algorithm::Algorithm;
-use crate::algorithm::concurrency::Concurrency;
-use crate::algorithm::fixed_window::FixedWindow;
-use crate::algorithm::sliding_window::SlidingWindow;
-use crate::algorithm::token_bucket::TokenBucket;
-use crate::algorithm::{LeaseOp, Micros};
-use crate::decision::{BackendError, Hit, Outcome, Role};
+use super::{KeyLayout, twins};
+use crate::algorithm::Micros;
+use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
 
 /// The script text and its SHA-1, computed once.
 struct Batch {
@@ -25,15 +20,7 @@ struct Batch {
 }
 
 static BATCH: LazyLock<Batch> = LazyLock::new(|| {
-    let source = [
-        "local ALGORITHMS = {}\n",
-        FixedWindow::LUA,
-        SlidingWindow::LUA,
-        TokenBucket::LUA,
-        Concurrency::LUA,
-        include_str!("../../../lua/batch.lua"),
-    ]
-    .join("\n");
+    let source = twins::script(include_str!("../../../lua/batch.lua"));
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
     Batch { source, sha1 }
 });
