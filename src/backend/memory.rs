@@ -436,8 +436,19 @@ mod tests {
             };
             assert!(run(T0).unwrap()[0].admitted, "{algorithm}");
             assert!(!run(T0 + 1).unwrap()[0].admitted, "{algorithm}");
+            // One second after the admission its state is gone, not a microsecond before:
+            // a sweep drops it then, and the key starts afresh.
+            let second = T0 + 1_000_000;
+            assert_eq!(sweep(&b.shards, second - 1), 1, "{algorithm}: still live");
+            assert_eq!(sweep(&b.shards, second), 0, "{algorithm}: expired");
+            let fresh = run(second).unwrap()[0];
+            assert!(
+                fresh.admitted && fresh.remaining == 0,
+                "{algorithm}: {fresh:?}"
+            );
+            assert_eq!(sweep(&b.shards, second + 1), 1, "{algorithm}: live again");
+            sweep(&b.shards, u64::MAX);
         }
-        assert_eq!(b.sweep(), 0, "all state was of 2023 and has expired");
     }
 
     /// How many keys `b` holds.
