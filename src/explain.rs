@@ -235,8 +235,8 @@ fn limit_text(limit: &Limit) -> String {
     if limit.algorithm.takes_burst() {
         let _ = write!(text, ", burst {}", limit.burst);
     }
-    if limit.lease > 1 {
-        let _ = write!(text, ", lease {}", limit.lease);
+    if limit.quota_lease > 1 {
+        let _ = write!(text, ", lease {}", limit.quota_lease);
     }
     text
 }

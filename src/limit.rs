@@ -179,8 +179,9 @@ pub struct Limit {
     /// rule sets a custom `window` (then `unit` is only what answers report).
     pub window: u64,
     /// Units an instance takes from a shared backend per round trip and spends locally
-    /// (`lease`; 0 or 1: every hit asks the backend).
-    pub lease: u32,
+    /// (the rule's `lease`; 0 or 1: every hit asks the backend). Not a hit's concurrency
+    /// lease (`Hit::lease`), which is one request in flight.
+    pub quota_lease: u32,
 }
 
 impl Limit {
@@ -192,7 +193,7 @@ impl Limit {
             algorithm: Kind::FixedWindow,
             burst: requests_per_unit,
             window: unit.seconds(),
-            lease: 0,
+            quota_lease: 0,
         }
     }
 }

@@ -82,7 +82,7 @@ fn limit(algorithm: Kind, requests_per_unit: u32, window: u64, burst: u32) -> Li
         algorithm,
         burst,
         window,
-        lease: 0,
+        quota_lease: 0,
     }
 }
 

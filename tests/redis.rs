@@ -57,7 +57,7 @@ fn limit(algorithm: Kind, requests_per_unit: u32, unit: Unit) -> Limit {
         algorithm,
         burst: requests_per_unit,
         window: unit.seconds(),
-        lease: 0,
+        quota_lease: 0,
     }
 }
 

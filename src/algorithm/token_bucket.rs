@@ -95,7 +95,7 @@ mod tests {
             algorithm: Kind::TokenBucket,
             burst,
             window: unit.seconds(),
-            lease: 0,
+            quota_lease: 0,
         }
     }
 

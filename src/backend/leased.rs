@@ -87,7 +87,7 @@ impl<B: Backend> Leased<B> {
 fn leasable(hits: &[Hit]) -> Option<&Hit> {
     match hits {
         [hit]
-            if hit.limit.lease > 1
+            if hit.limit.quota_lease > 1
                 && hit.role == Role::Enforce
                 && hit.hits > 0
                 && hit.lease.is_none() =>
@@ -113,7 +113,7 @@ impl<B: Backend> Backend for Leased<B> {
             return Ok(vec![outcome]);
         }
         // Take a lease: the request's own units and the rest of the lease at once.
-        let lease = u64::from(hit.limit.lease).max(hit.hits);
+        let lease = u64::from(hit.limit.quota_lease).max(hit.hits);
         let taking = Hit {
             hits: lease,
             ..hit.clone()

@@ -429,7 +429,7 @@ impl Check<'_> {
                 Some(seconds) => seconds?,
                 None => unit.seconds(),
             },
-            lease,
+            quota_lease: lease,
         })
     }
 }
@@ -631,7 +631,7 @@ mod tests {
         };
         let rules = lease("lease: 5").unwrap();
         let rule = rules.domain("d").unwrap().lookup([("k", "x")]).unwrap();
-        assert_eq!(rule.limit.unwrap().lease, 5);
+        assert_eq!(rule.limit.unwrap().quota_lease, 5);
         assert_eq!(
             lease("lease: 11").unwrap_err(),
             ["v.yaml:7:14: lease must be from 1 to 10 (the limit, and the burst), found 11"]
