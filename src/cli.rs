@@ -30,6 +30,9 @@ pub enum Command {
     /// Which rule a descriptor matches, and why; with --instance, where its counter stands.
     /// Exit 0 when every descriptor matches a rule, 1 when one matches none, 2 on errors.
     Explain(ExplainArgs),
+    /// Print the Redis batch script every decision runs (for SCRIPT LOAD, or a benchmark);
+    /// its SHA-1, the hash turnstile calls it by, goes to stderr.
+    RedisScript,
 }
 
 #[derive(Debug, Args)]

@@ -35,6 +35,12 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check(&args),
         Command::Explain(args) => turnstile::explain::main(&args),
+        Command::RedisScript => {
+            let source = turnstile::backend::redis::batch_source();
+            print!("{source}");
+            eprintln!("{}", sha1_smol::Sha1::from(source).digest());
+            ExitCode::SUCCESS
+        }
         Command::Serve(args) => {
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(runtime) => runtime,

@@ -27,7 +27,7 @@ use crate::algorithm::Micros;
 use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
-pub use script::Lua;
+pub use script::{Lua, batch_source};
 use script::{Call, Mode, Reply};
 
 /// How the configured URLs reach the master(s) that hold the state.

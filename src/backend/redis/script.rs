@@ -25,6 +25,12 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     Batch { source, sha1 }
 });
 
+/// The batch script's text, as turnstile loads it (`turnstile redis-script`: to preload it,
+/// or to run it from a benchmark exactly as turnstile does).
+pub fn batch_source() -> &'static str {
+    &BATCH.source
+}
+
 /// A script of another module (RLQS shares), with its SHA-1 for EVALSHA.
 pub struct Lua {
     source: &'static str,
