@@ -13,6 +13,7 @@ use tokio::time::sleep;
 use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
+use turnstile::deadline::Deadline;
 use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
@@ -786,7 +787,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
             // Well in the past: the clock estimate errs late by up to the fastest reply's
             // time to reach Redis (the first reply also carried a script load).
             let gone = Instant::now() - SEC;
-            let late = turnstile::backend::until(gone, backend.evaluate(&hits, Charging::Atomic));
+            let late = Deadline::at(gone).scope(backend.evaluate(&hits, Charging::Atomic));
             assert_eq!(
                 late.await,
                 Err(BackendError::Timeout),

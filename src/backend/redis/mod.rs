@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 
 use ::redis::RedisError;
 
-use super::{Backend, BackendError, Charging, Hit, Outcome, caller_deadline};
+use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
+use crate::deadline::Deadline;
 use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
@@ -197,13 +198,13 @@ impl Shared {
         &self,
         call: &mut Call,
         bound: Duration,
-        deadline: Option<Instant>,
+        deadline: Option<Deadline>,
     ) -> Result<Vec<Reply>, BackendError> {
         let give_up = tokio::time::Instant::now() + bound;
         // A second attempt only when Redis' clock turned out ahead of the estimate.
         for _ in 0..2 {
             if let Some(deadline) = deadline {
-                call.set_deadline(self.clock.redis_time(deadline).unwrap_or(0));
+                call.set_deadline(self.clock.redis_time(deadline.instant()).unwrap_or(0));
             }
             let sent = Instant::now();
             let answer = match tokio::time::timeout_at(give_up, script::run(&self.pool, call)).await
@@ -222,7 +223,7 @@ impl Shared {
                 self.clock.observe(sent, answer.redis_now);
                 return Ok(replies);
             }
-            if deadline.is_some_and(|d| Instant::now() < d) {
+            if deadline.is_some_and(|d| d.remaining() > Duration::ZERO) {
                 self.clock.restart(sent, answer.redis_now);
             } else {
                 self.clock.observe(sent, answer.redis_now);
@@ -234,9 +235,8 @@ impl Shared {
 
     /// When the caller of a call starting now stops waiting: the call timeout, or the
     /// caller's own deadline if sooner.
-    fn deadline(&self) -> Instant {
-        let own = Instant::now() + self.call_timeout;
-        caller_deadline().map_or(own, |caller| caller.min(own))
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.call_timeout).or_sooner()
     }
 }
 
