@@ -3,15 +3,20 @@
 //! memory backend, a single Redis and a 3-master Cluster on one controlled clock, and every
 //! answer (admission, remaining, reset to the microsecond) must be identical.
 //!
-//! A sequence is reproducible from its seed: a failure prints it, and
-//! `DIFFERENTIAL_SEED=<seed> cargo test --test differential` runs that sequence alone.
-//! `DIFFERENTIAL_SEQUENCES=<n>` runs more (or fewer) sequences than the CI default.
+//! proptest draws each sequence's seed and length and, on a disagreement, shrinks it to the
+//! shortest failing prefix (and a smaller seed where one fails too); the report prints the
+//! seed and length, and `DIFFERENTIAL_SEED=<seed> [DIFFERENTIAL_LENGTH=<n>] cargo test --test
+//! differential` runs that sequence alone. `DIFFERENTIAL_SEQUENCES=<n>` runs more (or fewer)
+//! sequences than the CI default.
 
 mod support;
 
 use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use proptest::prelude::{ProptestConfig, any};
+use proptest::test_runner::{TestCaseError, TestError, TestRunner};
 use redis::cluster_routing::Slot;
 use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::Micros;
@@ -20,9 +25,9 @@ use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
-/// Sequences per run, and requests per sequence: ~2 400 requests on each of the three
-/// backends, a few seconds on a CI runner.
-const SEQUENCES: u64 = 60;
+/// Sequences per run, and most requests per sequence (each draws its length up to it):
+/// ~2 000 requests on each of the three backends, a few seconds on a CI runner.
+const SEQUENCES: u32 = 100;
 const REQUESTS: usize = 40;
 const SEC: Micros = 1_000_000;
 
@@ -107,7 +112,9 @@ fn random_limit(rng: &mut fastrand::Rng) -> Limit {
     limit(algorithm, rate, window, burst)
 }
 
-fn rules(rng: &mut fastrand::Rng, seed: u64) -> Vec<Rule> {
+/// Rules named after the sequence's `run` (distinct at every run, so a shrunk rerun of a seed
+/// starts from fresh state in every backend).
+fn rules(rng: &mut fastrand::Rng, run: u64) -> Vec<Rule> {
     (0..rng.usize(2..=4))
         .map(|n| {
             let mut limits: Vec<(Limit, u32)> = Vec::new();
@@ -133,7 +140,7 @@ fn rules(rng: &mut fastrand::Rng, seed: u64) -> Vec<Rule> {
                 _ => Role::Enforce,
             };
             Rule {
-                name: format!("s{seed}|d{n}"),
+                name: format!("r{run}|d{n}"),
                 limits,
                 role,
             }
@@ -228,15 +235,20 @@ fn step(rng: &mut fastrand::Rng, last: &[Outcome]) -> Micros {
     }
 }
 
-/// Run the sequence of `seed`; on the first disagreement, a report of what led to it.
-async fn sequence(backends: &Backends, seed: u64) -> Result<usize, String> {
+/// Runs so far: each sequence run gets its own keys.
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Run the first `length` requests of the sequence of `seed`; on the first disagreement, a
+/// report of what led to it.
+async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), String> {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let rules = rules(&mut rng, seed);
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let rules = rules(&mut rng, run);
     let mut now: Micros = 1_800_000_000 * SEC + rng.u64(..3_600 * SEC);
     let mut last: Vec<Outcome> = Vec::new();
     let mut log = String::new();
     let mut started = Instant::now();
-    for n in 0..REQUESTS {
+    for n in 0..length {
         // Redis expires keys on its own clock: the controlled clock must never move slower
         // than the real one (plus Redis's millisecond granularity), or a key could expire in
         // Redis while the memory backend still holds its state.
@@ -273,13 +285,13 @@ async fn sequence(backends: &Backends, seed: u64) -> Result<usize, String> {
         }
         if memory != single || memory != cluster {
             return Err(format!(
-                "seed {seed}: the backends disagree at request #{n}\n{log}\
+                "seed {seed}, length {length}: the backends disagree at request #{n}\n{log}\
                  memory:  {memory:?}\nsingle:  {single:?}\ncluster: {cluster:?}"
             ));
         }
         last = memory;
     }
-    Ok(REQUESTS)
+    Ok(())
 }
 
 /// One request: its hits and how it charges.
@@ -374,24 +386,37 @@ async fn memory_redis_and_cluster_give_identical_answers_to_generated_sequences(
     let cluster = RedisCluster::shared();
     let backends = backends(&server, &cluster).await;
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-    let seeds: Vec<u64> = match env("DIFFERENTIAL_SEED") {
-        Some(seed) => vec![seed],
-        None => {
-            let base = fastrand::u64(..u64::MAX / 2);
-            (0..env("DIFFERENTIAL_SEQUENCES").unwrap_or(SEQUENCES))
-                .map(|i| base + i)
-                .collect()
+    if let Some(seed) = env("DIFFERENTIAL_SEED") {
+        let length = env("DIFFERENTIAL_LENGTH").map_or(REQUESTS, |n| n as usize);
+        if let Err(report) = sequence(&backends, seed, length).await {
+            panic!("{report}");
         }
-    };
-    let mut requests = 0;
-    for &seed in &seeds {
-        match sequence(&backends, seed).await {
-            Ok(n) => requests += n,
-            Err(report) => panic!("{report}"),
-        }
+        return;
     }
-    println!(
-        "{} sequences, {requests} requests on each backend",
-        seeds.len()
-    );
+    let config = ProptestConfig {
+        cases: env("DIFFERENTIAL_SEQUENCES").map_or(SEQUENCES, |n| n as u32),
+        // The report names the seed; no regression file is written into the tree.
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let requests = AtomicUsize::new(0);
+    let runtime = tokio::runtime::Handle::current();
+    let result = tokio::task::block_in_place(|| {
+        TestRunner::new(config).run(&(any::<u64>(), 1..=REQUESTS), |(seed, length)| {
+            requests.fetch_add(length, Ordering::Relaxed);
+            runtime
+                .block_on(sequence(&backends, seed, length))
+                .map_err(TestCaseError::fail)
+        })
+    });
+    match result {
+        Ok(()) => println!(
+            "{SEQUENCES} sequences, {} requests on each backend",
+            requests.load(Ordering::Relaxed)
+        ),
+        Err(TestError::Fail(report, (seed, length))) => {
+            panic!("shrunk to seed {seed}, length {length}:\n{report}")
+        }
+        Err(other) => panic!("{other}"),
+    }
 }
