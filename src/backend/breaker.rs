@@ -12,6 +12,9 @@
 //!   (Envoy's 20 ms filter timeout against a longer Redis timeout) still opens the circuit, an
 //!   abandoned call starts one independent check (`ready`, bounded by the backend's own
 //!   timeout) if none is running; its result is the evidence.
+//! - an answer the backend reports late ([`BackendError::Late`]: the request waited in this
+//!   process, not in the backend) or refused for overload ([`BackendError::Overloaded`]:
+//!   this process's queue is full): treated like an abandoned call, for the same reasons.
 //! - a timeout while this process's own scheduler lagged: a saturated runtime runs timers and
 //!   reads replies late, and would blame a healthy Redis for its own queue. A ticker measures
 //!   how late the runtime wakes it; a timeout counts only if that lag stayed under half the
@@ -227,7 +230,8 @@ fn check<B: Backend>(inner: &Arc<B>, core: &Arc<Core>) {
     });
 }
 
-/// Dropped before the backend answered: the caller abandoned the call.
+/// Dropped before the backend answered (the caller abandoned the call), or armed still when
+/// the answer says only that this process was late.
 struct Abandoned<'a, B: Backend> {
     breaker: &'a Breaker<B>,
     probe: bool,
@@ -261,9 +265,11 @@ impl<B: Backend> Backend for Breaker<B> {
         };
         let started = Instant::now();
         let result = self.inner.evaluate(hits, charging).await;
-        abandoned.armed = false;
-        self.core
-            .record(self.core.judge(&result, started.elapsed()), probe);
+        if !matches!(result, Err(BackendError::Late | BackendError::Overloaded)) {
+            abandoned.armed = false;
+            self.core
+                .record(self.core.judge(&result, started.elapsed()), probe);
+        }
         result
     }
 
@@ -346,6 +352,8 @@ mod tests {
         hang: AtomicBool,
         /// Calls block the runtime's thread 40 ms, then time out: a saturated process.
         stall: AtomicBool,
+        /// Calls answer late: they waited in this process.
+        late: AtomicBool,
         calls: AtomicU32,
     }
 
@@ -354,6 +362,9 @@ mod tests {
             self.calls.fetch_add(1, Ordering::SeqCst);
             if self.hang.load(Ordering::SeqCst) {
                 std::future::pending::<()>().await;
+            }
+            if self.late.load(Ordering::SeqCst) {
+                return Err(BackendError::Late);
             }
             if self.stall.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(40));
@@ -532,5 +543,48 @@ mod tests {
         );
         assert_eq!(call().await, Err(BackendError::CircuitOpen));
         assert_eq!(switch.calls.load(Ordering::SeqCst), 4);
+    }
+
+    /// Late answers prove nothing about a healthy backend, however many, and a late probe
+    /// passes its turn on; against a dead backend, the independent checks they start open the
+    /// circuit all the same.
+    #[tokio::test]
+    async fn late_answers_are_no_evidence() {
+        let (switch, breaker) = breaker(3);
+        let call = || breaker.evaluate(&[], Charging::Atomic);
+        switch.late.store(true, Ordering::SeqCst);
+        for _ in 0..20 {
+            assert_eq!(call().await, Err(BackendError::Late));
+        }
+        assert!(
+            breaker.core.is_closed(),
+            "20 late answers opened the circuit"
+        );
+        switch.late.store(false, Ordering::SeqCst);
+        assert!(call().await.is_ok());
+
+        switch.down.store(true, Ordering::SeqCst);
+        for _ in 0..3 {
+            assert_eq!(call().await, Err(down()));
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        switch.down.store(false, Ordering::SeqCst);
+        switch.late.store(true, Ordering::SeqCst);
+        assert_eq!(call().await, Err(BackendError::Late), "the probe came late");
+        switch.late.store(false, Ordering::SeqCst);
+        assert!(call().await.is_ok(), "the next call was the probe");
+        assert!(breaker.core.is_closed());
+
+        switch.late.store(true, Ordering::SeqCst);
+        switch.down.store(true, Ordering::SeqCst);
+        let give_up = Instant::now() + Duration::from_secs(2);
+        while breaker.core.is_closed() {
+            let _ = call().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert!(
+                Instant::now() < give_up,
+                "the checks never opened the circuit"
+            );
+        }
     }
 }
