@@ -1767,7 +1767,10 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     assert_eq!(calls, 2, "3 requests, the last two in one call");
     assert!(busy.admitted && busy.remaining == 9, "{busy:?}");
     assert!(!refused[0].admitted, "the full limit refuses: {refused:?}");
-    assert!(refused[1].admitted, "its other hit alone passes: {refused:?}");
+    assert!(
+        refused[1].admitted,
+        "its other hit alone passes: {refused:?}"
+    );
     assert!(admitted.admitted && admitted.remaining == 9, "{admitted:?}");
 
     // What Redis holds now, read at cost 0: the refused request charged nothing, the one

@@ -14,8 +14,10 @@
 //! serving gRPC are. A call is timed from when it is written. A caller whose wait ran out
 //! while its request was still queued here, or in flight for less than the call timeout (its
 //! time went in this process's queues), gets [`BackendError::Late`]: the policy's answer, but
-//! no evidence against Redis. A queued request whose deadline passed, or whose caller left,
-//! is never sent: it could only charge for nothing.
+//! no evidence against Redis. So is a call that timed out while the I/O runtime itself was
+//! kept from running (a machine short of CPU: Redis' answer may have waited for us). A
+//! queued request whose deadline passed, or whose caller left, is never sent: it could only
+//! charge for nothing.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
@@ -28,6 +30,7 @@ use tokio::sync::oneshot;
 use super::script::{self, Call, Part, Reply};
 use super::{Shared, backend_error};
 use crate::algorithm::Micros;
+use crate::backend::lag::Lag;
 use crate::decision::BackendError;
 
 /// Most hits one call carries: a request with more goes alone.
@@ -63,6 +66,8 @@ pub(super) struct Lanes {
     single: Arc<Lane>,
     /// Made on first use; a Cluster has at most 16 384 slots.
     slots: Mutex<HashMap<Slot, Arc<Lane>>>,
+    /// How late the I/O runtime runs.
+    lag: Lag,
 }
 
 impl Lanes {
@@ -78,6 +83,10 @@ impl Lanes {
             },
             single: Arc::default(),
             slots: Mutex::default(),
+            lag: {
+                let _io = io().enter();
+                Lag::start()
+            },
         }
     }
 
@@ -171,7 +180,8 @@ pub(super) async fn call(
     };
     match tokio::time::timeout_at((sent + bound + GRACE).into(), &mut reply).await {
         Ok(answer) => answer.unwrap_or_else(|_| lost()),
-        Err(_) => Err(BackendError::Timeout),
+        // The I/O runtime did not time its own call: it could not run.
+        Err(_) => Err(BackendError::Late),
     }
 }
 
@@ -250,6 +260,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
             shared.pool.trouble(&err);
             Err(backend_error(&err))
         }
+        Err(_) if shared.lanes.lag.explains(bound) => Err(BackendError::Late),
         Err(_) => {
             shared.pool.timed_out();
             Err(BackendError::Timeout)
