@@ -22,8 +22,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ::redis::RedisError;
 use ::redis::cluster_routing::Slot;
+use ::redis::{RedisError, RedisResult};
 
 use super::{Backend, BackendError, Charging, Hit, Outcome, caller_deadline};
 use crate::algorithm::Micros;
@@ -193,17 +193,7 @@ impl RedisBackend {
         let lua = lua.clone();
         on_io(async move {
             let call = script::run_lua(&shared.pool, &lua, &key, &args);
-            match tokio::time::timeout(shared.call_timeout, call).await {
-                Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(err)) => {
-                    shared.pool.trouble(&err);
-                    Err(backend_error(&err))
-                }
-                Err(_) => {
-                    shared.pool.timed_out();
-                    Err(BackendError::Timeout)
-                }
-            }
+            shared.bounded(call).await
         })
         .await
     }
@@ -231,6 +221,24 @@ impl Shared {
             .is_cluster()
             .then(|| part.first_key().map(Slot::for_key))
             .flatten()
+    }
+
+    /// A command other than a decision, bounded by the call timeout.
+    async fn bounded<T>(
+        &self,
+        command: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(self.call_timeout, command).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(err)) => {
+                self.pool.trouble(&err);
+                Err(backend_error(&err))
+            }
+            Err(_) => {
+                self.pool.timed_out();
+                Err(BackendError::Timeout)
+            }
+        }
     }
 
     /// When the caller of a call starting now stops waiting: the call timeout, or the
@@ -318,19 +326,7 @@ impl Backend for RedisBackend {
         let shared = Arc::clone(&self.shared);
         let ping = on_io(async move {
             let ping = ::redis::cmd("PING");
-            match tokio::time::timeout(shared.call_timeout, shared.pool.query::<String>(&ping))
-                .await
-            {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(err)) => {
-                    shared.pool.trouble(&err);
-                    Err(backend_error(&err))
-                }
-                Err(_) => {
-                    shared.pool.timed_out();
-                    Err(BackendError::Timeout)
-                }
-            }
+            shared.bounded(shared.pool.query::<String>(&ping)).await
         });
         ping.await.is_ok()
     }
