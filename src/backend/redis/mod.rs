@@ -69,8 +69,9 @@ pub struct RedisConfig {
     /// Where fixed-window counters live: turnstile's keys, or the reference's (to share
     /// counters with it during a migration). Default: turnstile's.
     pub key_layout: KeyLayout,
-    /// Bound on every `evaluate` (and `ready`) call; beyond it the call fails with
-    /// [`BackendError::Timeout`]. Default: 25 ms.
+    /// Bound on every `evaluate` (and `ready`) call: a call Redis has not answered this long
+    /// after it was written fails with [`BackendError::Timeout`]; a request whose caller waited
+    /// this long mostly in turnstile's own queue, with [`BackendError::Late`]. Default: 25 ms.
     pub call_timeout: Duration,
     /// Prepended to every key, outside the hash tag; must not contain braces. Default: "".
     pub key_prefix: String,
