@@ -269,6 +269,20 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
     drop(call);
     let answer = match answer {
         Ok(answer) => answer,
+        // A call that timed out is one piece of evidence against Redis, however many requests
+        // it carried: the first says so, the others are late (as if they had queued
+        // instead), lest one slow call count as many failures for the breaker.
+        Err(BackendError::Timeout) => {
+            for (n, request) in live.into_iter().enumerate() {
+                let err = if n == 0 {
+                    BackendError::Timeout
+                } else {
+                    BackendError::Late
+                };
+                let _ = request.answer.send(Err(err));
+            }
+            return Vec::new();
+        }
         Err(err) => {
             for request in live {
                 let _ = request.answer.send(Err(err.clone()));
