@@ -11,7 +11,10 @@
 #   c. p99 at 50% of the peak rate, open loop (latency from each call's due time);
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
-#   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs).
+#   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
+#   f. before/after: with BENCH_BASELINE=<a turnstile binary built from an earlier commit>,
+#      that binary and this build in turn, same load, same run; and a fleet: 4 instances
+#      sharing one Redis (total decisions/s, Redis CPU per decision).
 #
 # It builds release, starts its own redis-server (free loopback port, never 6379, no
 # persistence) and turnstile processes, and stops every one of them by PID when it ends, on
@@ -30,7 +33,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -151,9 +154,10 @@ EOF
 declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
   [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
 # ARGV of one hit of each rule, as turnstile sends it: algorithm, limit, window s, burst,
-# cost, lease, role (after the request's: count 1, mode, nonce, deadline 0, 1 hit). turnstile sends an empty lease for these algorithms; an empty word
-# cannot pass through redis-benchmark's arguments here, and "0" means the same to the
-# script (only a lease starting with + or - does anything).
+# cost, lease, role (after the call's request count, 1, and the request's mode, nonce,
+# deadline 0 and hit count, 1). turnstile sends an empty lease for these algorithms; an
+# empty word cannot pass through redis-benchmark's arguments here, and "0" means the same to
+# the script (only a lease starting with + or - does anything).
 declare -A HIT_ARGS=(
   [fw]="fixed_window 1000000000 60 1000000000 1 0 e"
   [sw]="sliding_window 10000 1 10000 1 0 e"
@@ -161,12 +165,13 @@ declare -A HIT_ARGS=(
 )
 
 TS_PID="" GRPC=""
-start_turnstile() { # BACKEND [extra serve args...]
+# start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's).
+start_turnstile() {
   local http backend="$1"
   shift
   GRPC="127.0.0.1:$(free_port)"
   http="127.0.0.1:$(free_port)"
-  "$BIN" serve --config "$RULES" --grpc-addr "$GRPC" --http-addr "$http" \
+  "${TS_BIN:-$BIN}" serve --config "$RULES" --grpc-addr "$GRPC" --http-addr "$http" \
     --backend "$backend" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-level warn "$@" \
     >>"$OUT/turnstile.log" 2>&1 &
   TS_PID=$!
@@ -345,6 +350,50 @@ for rule in fwh swh tbh; do
     jq -r '"  \(.name): RSS \(.rss_before_kb) -> \(.rss_after_kb) kB, \(.bytes_per_key) B/key"' >&2
   stop "$TS_PID"
 done
+
+# ---------------------------------------------------------------------------------------
+# f. Before/after in one run: the baseline binary and this build alternate (A B A B), so a
+#    drift in the machine's load hits both alike.
+if [ -n "${BENCH_BASELINE:-}" ]; then
+  log "before/after: $BENCH_BASELINE vs this build"
+  for backend in memory redis; do
+    for round in 1 2; do
+      for side in baseline current; do
+        bin="$BIN"
+        [ "$side" = baseline ] && bin="$BENCH_BASELINE"
+        TS_BIN="$bin" start_turnstile "$backend"
+        [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+        load "ab/$backend/$side/$round" "$backend" fw "$BIG"
+        stop "$TS_PID"
+      done
+    done
+  done
+fi
+
+# A fleet: FLEET instances on one Redis, the load spread over them (one connection each, 64
+# calls in flight in all). Redis CPU per decision is what sizes a fleet: one Redis core
+# serves 10^6 / (µs per decision) decisions/s.
+FLEET=4
+log "fleet: $FLEET instances on one Redis"
+fleet_targets=() fleet_watch="redis=$REDIS_PID"
+for i in $(seq "$FLEET"); do
+  start_turnstile redis
+  fleet_targets+=("$GRPC")
+  fleet_watch="$fleet_watch,turnstile$i=$TS_PID"
+done
+rcli FLUSHALL >/dev/null
+"$LOADGEN" --target "$(IFS=,; echo "${fleet_targets[*]}")" --concurrency "$CONCURRENCY" \
+  --connections 1 --key fw --keys "$BIG" --duration "$DURATION" --warmup "$WARMUP" \
+  --threads 1 --watch-pid "$fleet_watch" --json >"$TMP/run.json"
+jq -c --argjson instances "$FLEET" \
+  '. + {name: "fleet/redis/fixed_window", backend: "redis", rule: "fw",
+        algorithm: "fixed_window", instances: $instances}' "$TMP/run.json" |
+  tee -a "$RESULTS" |
+  jq -r '"  \(.name): \(.instances) instances, \(.rps|floor)/s, err \(.errors), redis cpu us/call \(.cpu_us_per_call.redis)"' >&2
+for pid in "${PIDS[@]}"; do
+  [ "$pid" = "$REDIS_PID" ] || stop "$pid"
+done
+rcli FLUSHALL >/dev/null
 
 # ---------------------------------------------------------------------------------------
 # e. Rule matching on 10 000 rules.

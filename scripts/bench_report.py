@@ -148,6 +148,49 @@ def main(argv):
         )
         w("| " + " | ".join(cells) + " |")
 
+    def cpu_of(r, process):
+        """µs of CPU per call of one watched process, or of all processes named process*."""
+        cpu = r.get("cpu_us_per_call", {})
+        return sum(v for k, v in cpu.items() if k == process or (k.startswith(process) and k[len(process):].isdigit()))
+
+    ab = [r for r in rows if r["name"].startswith("ab/")]
+    if ab:
+        w("")
+        w("### Before/after (this run: the baseline binary and this build in turn, fixed window, 100 000 keys, 64 in flight)")
+        w("")
+        w("| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |")
+        w("|---|---|---|---|---|---|---:|")
+        for backend in ("memory", "redis"):
+            for side in ("baseline", "current"):
+                runs = sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
+                if not runs:
+                    continue
+                def each(f):
+                    return " · ".join(f(r) for r in runs)
+
+                ts_cpu = each(lambda r: f"{cpu_of(r, 'turnstile'):.1f}")
+                redis_cpu = each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–"
+                p99 = each(lambda r: f"{r['latency_ms']['p99']:.2f}")
+                errors = sum(r["errors"] for r in runs)
+                w(
+                    f"| {backend} | {side} | {each(lambda r: fmt_int(r['rps']))} | {ts_cpu} | "
+                    f"{redis_cpu} | {p99} | {errors} |"
+                )
+
+    fleet = [r for r in rows if r["name"].startswith("fleet/")]
+    if fleet:
+        w("")
+        w("### A fleet on one Redis (fixed window, 100 000 keys, 64 calls in flight over all instances)")
+        w("")
+        w("| instances | decisions/s (all) | errors | Redis CPU µs/decision | turnstile CPU µs/decision (all instances) | instances one Redis core serves at 10 000 decisions/s each |")
+        w("|---:|---:|---:|---:|---:|---:|")
+        for r in fleet:
+            decisions = r["rps"] * r["descriptors"]
+            redis_us = cpu_of(r, "redis") / r["descriptors"]
+            ts_us = cpu_of(r, "turnstile") / r["descriptors"]
+            per_core = f"{1e6 / redis_us / 10000:.1f}" if redis_us else ""
+            w(f"| {r['instances']} | {fmt_int(decisions)} | {r['errors']} | {redis_us:.1f} | {ts_us:.1f} | {per_core} |")
+
     crit = [r for r in rows if r["name"].startswith("criterion/")]
     if crit:
         w("")

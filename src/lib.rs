@@ -11,6 +11,7 @@ pub mod algorithm;
 pub mod backend;
 pub mod cli;
 pub mod config;
+pub mod deadline;
 pub mod decision;
 pub mod explain;
 pub mod fallback;

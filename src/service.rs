@@ -5,7 +5,7 @@
 //! can never disagree.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -13,7 +13,8 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::active::ActiveRules;
-use crate::backend::{self, Backend};
+use crate::backend::Backend;
+use crate::deadline::{Deadline, grpc_timeout};
 use crate::decision::FailurePolicy;
 use crate::decision::{BackendError, Charging, Outcome, Role};
 use crate::fallback::Fallback;
@@ -62,15 +63,15 @@ impl<B: Backend> RateLimiter<B> {
         &self.backend
     }
 
-    /// Decide one request. `budget` bounds the backend call (the caller's deadline less a
-    /// margin): past it the failure policy answers, while the caller still listens, and the
-    /// backend charges nothing for a decision it would take later. A budget too short to ask
-    /// the backend at all is answered by the policy at once.
+    /// Decide one request. `deadline` bounds the backend call: past it the failure policy
+    /// answers, while the caller still listens, and the backend charges nothing for a
+    /// decision it would take later. Too little time left to ask the backend at all is
+    /// answered by the policy at once.
     #[tracing::instrument(level = "trace", name = "should_rate_limit", skip_all, fields(domain = %request.domain))]
     pub async fn check(
         &self,
         request: &RateLimitRequest,
-        budget: Option<Duration>,
+        deadline: Option<Deadline>,
     ) -> Result<RateLimitResponse, Status> {
         let original = request;
         let request = CheckRequest::parse(request, &self.settings.bounds).map_err(|invalid| {
@@ -93,14 +94,12 @@ impl<B: Backend> RateLimiter<B> {
                 .backend
                 .evaluate(&plan.hits, self.settings.charging)
                 .instrument(span);
-            let evaluated = match budget {
-                Some(budget) if budget < MIN_BUDGET => Err(BackendError::Timeout),
-                Some(budget) => {
-                    let deadline = Instant::now() + budget;
-                    tokio::time::timeout(budget, backend::until(deadline, evaluate))
-                        .await
-                        .unwrap_or(Err(BackendError::Timeout))
-                }
+            let evaluated = match deadline {
+                Some(deadline) if deadline.remaining() < MIN_BUDGET => Err(BackendError::Timeout),
+                Some(deadline) => deadline
+                    .bound(evaluate)
+                    .await
+                    .unwrap_or(Err(BackendError::Timeout)),
                 None => evaluate.await,
             };
             match evaluated {
@@ -165,56 +164,18 @@ impl<B: Backend> RateLimitService for RateLimiter<B> {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let budget = deadline(&request).map(|d| d.saturating_sub(DEADLINE_MARGIN + d / 4));
-        self.check(request.get_ref(), budget)
+        let deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|value| value.to_str().ok())
+            .and_then(grpc_timeout)
+            .map(Deadline::for_call);
+        self.check(request.get_ref(), deadline)
             .await
             .map(Response::new)
     }
 }
 
-/// What an answer needs, after the backend, to reach a caller before its deadline: this
-/// plus a quarter of the deadline (a busy machine delays timers and answers).
-const DEADLINE_MARGIN: Duration = Duration::from_millis(1);
-
 /// Below this no backend answers in time (a Redis round trip on the same host takes about
 /// a tenth of it): the call is not worth sending.
 const MIN_BUDGET: Duration = Duration::from_micros(500);
-
-/// The caller's deadline, from its `grpc-timeout` header (Envoy sends its filter timeout).
-fn deadline<T>(request: &Request<T>) -> Option<Duration> {
-    let text = request.metadata().get("grpc-timeout")?.to_str().ok()?;
-    let (amount, unit) = text.split_at(text.len().checked_sub(1)?);
-    let amount: u64 = amount.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(amount.checked_mul(3_600)?),
-        "M" => Duration::from_secs(amount.checked_mul(60)?),
-        "S" => Duration::from_secs(amount),
-        "m" => Duration::from_millis(amount),
-        "u" => Duration::from_micros(amount),
-        "n" => Duration::from_nanos(amount),
-        _ => return None,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeouts_are_read_in_every_unit() {
-        let with = |value: &str| {
-            let mut request = Request::new(());
-            request
-                .metadata_mut()
-                .insert("grpc-timeout", value.parse().unwrap());
-            deadline(&request)
-        };
-        assert_eq!(with("20m"), Some(Duration::from_millis(20)));
-        assert_eq!(with("2S"), Some(Duration::from_secs(2)));
-        assert_eq!(with("1H"), Some(Duration::from_secs(3_600)));
-        assert_eq!(with("1500u"), Some(Duration::from_micros(1_500)));
-        assert_eq!(with("7x"), None);
-        assert_eq!(with("m"), None);
-        assert_eq!(deadline(&Request::new(())), None);
-    }
-}

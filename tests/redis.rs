@@ -13,6 +13,7 @@ use tokio::time::sleep;
 use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
+use turnstile::deadline::Deadline;
 use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
@@ -786,7 +787,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
             // Well in the past: the clock estimate errs late by up to the fastest reply's
             // time to reach Redis (the first reply also carried a script load).
             let gone = Instant::now() - SEC;
-            let late = turnstile::backend::until(gone, backend.evaluate(&hits, Charging::Atomic));
+            let late = Deadline::at(gone).scope(backend.evaluate(&hits, Charging::Atomic));
             assert_eq!(late.await, Err(BackendError::Late), "{name} {algorithm:?}");
             let after = eval(backend, &hits, Charging::Atomic).await;
             assert!(
@@ -1037,16 +1038,14 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
 
 // ---- TLS ----------------------------------------------------------------------------------
 
-/// A Redis server with a TLS port that requires a client certificate, its private CA, and a
-/// client certificate, all as PEM files in `dir` (plain `server` stays reachable for checks).
-struct TlsRedis {
-    server: RedisServer,
-    tls_port: u16,
+/// A private CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in
+/// a temporary directory.
+struct Pki {
     dir: tempfile::TempDir,
 }
 
-impl TlsRedis {
-    fn start() -> TlsRedis {
+impl Pki {
+    fn new() -> Pki {
         use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 
         // Distinct names: OpenSSL takes a certificate whose subject is its issuer's for a
@@ -1072,23 +1071,7 @@ impl TlsRedis {
             write(&format!("{file}.key"), &key.serialize_pem());
         }
         write("ca.pem", &ca.pem());
-        let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let path = |name: &str| dir.path().join(name).display().to_string();
-        let server = RedisServer::start_with(&format!(
-            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients yes\n",
-            path("server.pem"),
-            path("server.key"),
-            path("ca.pem"),
-        ));
-        TlsRedis {
-            server,
-            tls_port,
-            dir,
-        }
+        Pki { dir }
     }
 
     fn path(&self, name: &str) -> String {
@@ -1098,6 +1081,32 @@ impl TlsRedis {
     fn pem(&self, name: &str) -> Vec<u8> {
         std::fs::read(self.dir.path().join(name)).unwrap()
     }
+
+    /// `redis.conf` lines: a TLS port (see `RedisServer::tls_port`) that requires a client
+    /// certificate signed by this CA.
+    fn redis_config(&self) -> String {
+        format!(
+            "tls-port {{tls-port}}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients yes\n",
+            self.path("server.pem"),
+            self.path("server.key"),
+            self.path("ca.pem"),
+        )
+    }
+}
+
+/// A Redis server with a TLS port that requires a client certificate (plain `server` stays
+/// reachable for checks).
+struct TlsRedis {
+    server: RedisServer,
+    pki: Pki,
+}
+
+impl TlsRedis {
+    fn start() -> TlsRedis {
+        let pki = Pki::new();
+        let server = RedisServer::start_with(&pki.redis_config());
+        TlsRedis { server, pki }
+    }
 }
 
 #[tokio::test]
@@ -1105,15 +1114,15 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
     use turnstile::backend::redis::RedisTls;
 
     let tls = TlsRedis::start();
-    let url = format!("rediss://127.0.0.1:{}", tls.tls_port);
+    let url = format!("rediss://127.0.0.1:{}", tls.server.tls_port());
     let with = |tls: RedisTls| RedisConfig {
         tls,
         ..config(vec![url.clone()], RedisMode::Single, "")
     };
 
     let full = with(RedisTls {
-        ca: Some(tls.pem("ca.pem")),
-        client: Some((tls.pem("client.pem"), tls.pem("client.key"))),
+        ca: Some(tls.pki.pem("ca.pem")),
+        client: Some((tls.pki.pem("client.pem"), tls.pki.pem("client.key"))),
     });
     let backend = RedisBackend::connect(&full)
         .await
@@ -1122,7 +1131,7 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
     assert_eq!(one(&backend, &h).await.remaining, 4);
 
     let no_client_cert = with(RedisTls {
-        ca: Some(tls.pem("ca.pem")),
+        ca: Some(tls.pki.pem("ca.pem")),
         client: None,
     });
     assert!(
@@ -1194,8 +1203,8 @@ fn keys_at(url: &str) -> Vec<String> {
     redis::cmd("KEYS").arg("*").query(&mut c).unwrap()
 }
 
-/// Each row: the reference's variables naming a Redis, and a plain URL to the server that must
-/// then hold the state. Through the binary, so the variables' wiring is what is tested.
+/// Each row: the reference's variables naming a Redis, and plain URLs of the servers one of
+/// which must then hold the state. Through the binary, so the variables' wiring is what is tested.
 #[tokio::test]
 async fn the_reference_redis_variables_reach_the_redis_they_name() {
     use support::turnstile::{Rules, Turnstile, descriptor, request};
@@ -1203,30 +1212,51 @@ async fn the_reference_redis_variables_reach_the_redis_they_name() {
     let sentinel = RedisServer::start_sentinel(&master, "turnstile");
     let tls = TlsRedis::start();
     let secured = RedisServer::start_with("requirepass s3cret\n");
+    // Nodes that talk to each other over TLS too, so a plain-text path would show up.
+    let cluster_pki = Pki::new();
+    let cluster = RedisCluster::start_with(
+        3,
+        0,
+        &format!("{}tls-cluster yes\n", cluster_pki.redis_config()),
+    );
     let rules = Rules::new(
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
     );
     // (what, environment, a plain URL of the server that must hold the count)
-    type Row<'a> = (&'a str, Vec<(&'a str, String)>, String);
-    let rows: [Row<'_>; 3] = [
+    type Row<'a> = (&'a str, Vec<(&'a str, String)>, Vec<String>);
+    let rows: [Row<'_>; 4] = [
         (
             "REDIS_TYPE=sentinel, REDIS_URL=<master name>,<sentinel>",
             vec![
                 ("REDIS_TYPE", "sentinel".into()),
                 ("REDIS_URL", format!("turnstile,{}", sentinel.addr())),
             ],
-            master.url(),
+            vec![master.url()],
         ),
         (
             "REDIS_TLS with REDIS_TLS_CACERT and a client certificate, for a bare address",
             vec![
-                ("REDIS_URL", format!("127.0.0.1:{}", tls.tls_port)),
+                ("REDIS_URL", format!("127.0.0.1:{}", tls.server.tls_port())),
                 ("REDIS_TLS", "true".into()),
-                ("REDIS_TLS_CACERT", tls.path("ca.pem")),
-                ("REDIS_TLS_CLIENT_CERT", tls.path("client.pem")),
-                ("REDIS_TLS_CLIENT_KEY", tls.path("client.key")),
+                ("REDIS_TLS_CACERT", tls.pki.path("ca.pem")),
+                ("REDIS_TLS_CLIENT_CERT", tls.pki.path("client.pem")),
+                ("REDIS_TLS_CLIENT_KEY", tls.pki.path("client.key")),
             ],
-            tls.server.url(),
+            vec![tls.server.url()],
+        ),
+        (
+            "REDIS_TYPE=cluster over TLS, with a private CA and a client certificate",
+            vec![
+                ("REDIS_TYPE", "cluster".into()),
+                (
+                    "REDIS_URL",
+                    format!("rediss://127.0.0.1:{}", cluster.nodes[0].tls_port()),
+                ),
+                ("REDIS_TLS_CACERT", cluster_pki.path("ca.pem")),
+                ("REDIS_TLS_CLIENT_CERT", cluster_pki.path("client.pem")),
+                ("REDIS_TLS_CLIENT_KEY", cluster_pki.path("client.key")),
+            ],
+            cluster.urls(),
         ),
         (
             "REDIS_AUTH for an address without credentials",
@@ -1234,10 +1264,10 @@ async fn the_reference_redis_variables_reach_the_redis_they_name() {
                 ("REDIS_URL", secured.addr()),
                 ("REDIS_AUTH", "s3cret".into()),
             ],
-            format!("redis://:s3cret@{}", secured.addr()),
+            vec![format!("redis://:s3cret@{}", secured.addr())],
         ),
     ];
-    for (what, env, holder) in rows {
+    for (what, env, holders) in rows {
         let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         env.push(("TURNSTILE_REDIS_TIMEOUT", "2s"));
         let t = Turnstile::start_with(&["--config", rules.path().to_str().unwrap()], &env).await;
@@ -1248,7 +1278,8 @@ async fn the_reference_redis_variables_reach_the_redis_they_name() {
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(answer.statuses[0].limit_remaining, remaining, "{what}");
         }
-        assert_eq!(keys_at(&holder).len(), 1, "{what}: the count lives there");
+        let keys: usize = holders.iter().map(|url| keys_at(url).len()).sum();
+        assert_eq!(keys, 1, "{what}: the count lives there");
     }
 }
 

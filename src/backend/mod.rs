@@ -16,7 +16,6 @@ pub mod redis;
 pub mod stack;
 
 use std::future::Future;
-use std::time::Instant;
 
 use crate::decision::{BackendError, Charging, Hit, Outcome};
 
@@ -31,21 +30,4 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether the backend answers now (for health checks).
     fn ready(&self) -> impl Future<Output = bool> + Send;
-}
-
-tokio::task_local! {
-    static CALLER_DEADLINE: Instant;
-}
-
-/// Evaluate with `deadline` as the instant the caller stops waiting for the decision. A
-/// backend that can tell (Redis, on its own clock) then charges nothing for a decision taken
-/// later. A task-local rather than a parameter: only the backend at the bottom of the stack
-/// reads it, the layers in between need not carry it.
-pub async fn until<F: Future>(deadline: Instant, evaluate: F) -> F::Output {
-    CALLER_DEADLINE.scope(deadline, evaluate).await
-}
-
-/// The deadline of the evaluation running in this task, if its caller set one.
-pub fn caller_deadline() -> Option<Instant> {
-    CALLER_DEADLINE.try_with(|deadline| *deadline).ok()
 }

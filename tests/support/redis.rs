@@ -18,6 +18,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a Cluster may take to be created and agree on its slots.
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(10);
+/// A server's TLS port, when its configuration names one with `{tls-port}`, is its port plus
+/// this (kept free alongside the port and the Cluster bus port +10000).
+const TLS_PORT_OFFSET: u16 = 20_000;
 
 /// What kind of process to start.
 #[derive(Clone)]
@@ -31,7 +34,8 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     kind: Kind,
-    /// Extra `redis.conf` lines.
+    /// Extra `redis.conf` lines; `{tls-port}` in them stands for [`RedisServer::tls_port`], so
+    /// the nodes of one Cluster can share a configuration.
     extra: String,
     dir: tempfile::TempDir,
     /// Where a persistent server keeps its data, if elsewhere than `dir`.
@@ -91,10 +95,9 @@ impl RedisServer {
         let mut last_log = String::new();
         // A free port can be taken by someone else before the server binds it: try again.
         for _ in 0..5 {
-            let bus = matches!(kind, Kind::ClusterNode);
             let mut server = RedisServer {
                 child: None,
-                port: free_port(bus),
+                port: free_port(),
                 kind: kind.clone(),
                 extra: extra.into(),
                 dir: tempfile::tempdir().expect("temporary directory"),
@@ -119,9 +122,11 @@ impl RedisServer {
         );
         match &self.kind {
             Kind::Standalone => {}
+            // The bus port explicitly: with `tls-cluster` it would follow the TLS port.
             Kind::ClusterNode => config.push_str(&format!(
-                "cluster-enabled yes\ncluster-config-file {}\ncluster-node-timeout 5000\n",
-                dir.join("nodes.conf").display()
+                "cluster-enabled yes\ncluster-config-file {}\ncluster-node-timeout 5000\ncluster-port {}\n",
+                dir.join("nodes.conf").display(),
+                self.port + 10_000
             )),
             Kind::Sentinel { master_port, name } => config.push_str(&format!(
                 "sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
@@ -129,7 +134,11 @@ impl RedisServer {
                  sentinel failover-timeout {name} 5000\n"
             )),
         }
-        config.push_str(&self.extra);
+        config.push_str(
+            &self
+                .extra
+                .replace("{tls-port}", &self.tls_port().to_string()),
+        );
         let path = dir.join("redis.conf");
         fs::write(&path, config).expect("write redis.conf");
         let mut command = Command::new("redis-server");
@@ -171,6 +180,11 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The TLS port, if the configuration opened one with `tls-port {tls-port}`.
+    pub fn tls_port(&self) -> u16 {
+        self.port + TLS_PORT_OFFSET
     }
 
     /// `127.0.0.1:<port>`.
@@ -309,12 +323,15 @@ impl Drop for RedisServer {
     }
 }
 
-/// A port nobody listens on; for a Cluster node, its bus port (+10000) too.
-fn free_port(cluster_bus: bool) -> u16 {
+/// A port nobody listens on, nor on the Cluster bus port (+10000) or the TLS port next to it.
+fn free_port() -> u16 {
     let bindable = |port: u16| TcpListener::bind(("127.0.0.1", port)).is_ok();
     for _ in 0..1000 {
         let port = fastrand::u16(20_000..45_000);
-        if bindable(port) && (!cluster_bus || bindable(port + 10_000)) {
+        if [0, 10_000, TLS_PORT_OFFSET]
+            .iter()
+            .all(|offset| bindable(port + offset))
+        {
             return port;
         }
     }

@@ -7,8 +7,8 @@
 //! The work runs in a task of its own, so a caller that times out or goes away cannot leave a
 //! reservation unrefunded.
 
+use crate::deadline::Deadline;
 use std::sync::Arc;
-use std::time::Instant;
 
 use ::redis::cluster_routing::Slot;
 use tokio::task::JoinSet;
@@ -40,7 +40,7 @@ pub(super) struct Job {
     charging: Charging,
     nonce: String,
     /// When the caller stops waiting: a reservation that would start later takes nothing.
-    deadline: Option<Instant>,
+    deadline: Option<Deadline>,
     /// The time to decide at, when not Redis TIME (tests only).
     at: Option<Micros>,
 }
@@ -66,7 +66,7 @@ impl Job {
         }
     }
 
-    pub(super) fn until(self, deadline: Instant) -> Job {
+    pub(super) fn until(self, deadline: Deadline) -> Job {
         Job {
             deadline: Some(deadline),
             ..self
@@ -164,7 +164,7 @@ impl Job {
     async fn all(
         &self,
         parts: Vec<Part>,
-        deadline: Option<Instant>,
+        deadline: Option<Deadline>,
     ) -> Vec<Result<Vec<Reply>, BackendError>> {
         let mut tasks = JoinSet::new();
         for (n, part) in parts.into_iter().enumerate() {

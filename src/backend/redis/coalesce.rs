@@ -31,6 +31,7 @@ use super::script::{self, Call, Part, Reply};
 use super::{Shared, backend_error};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
+use crate::deadline::Deadline;
 use crate::decision::BackendError;
 
 /// Most hits one call carries: a request with more goes alone.
@@ -137,9 +138,10 @@ pub(super) async fn call(
     slot: Option<Slot>,
     part: Part,
     at: Option<Micros>,
-    deadline: Option<Instant>,
+    deadline: Option<Deadline>,
     bound: Duration,
 ) -> Result<Vec<Reply>, BackendError> {
+    let deadline = deadline.map(Deadline::instant);
     let lanes = &shared.lanes;
     let lane = lanes.lane(slot);
     let until = deadline.map_or(Instant::now() + bound, |d| d.min(Instant::now() + bound));

@@ -20,13 +20,14 @@ mod twins;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ::redis::cluster_routing::Slot;
 use ::redis::{RedisError, RedisResult};
 
-use super::{Backend, BackendError, Charging, Hit, Outcome, caller_deadline};
+use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
+use crate::deadline::Deadline;
 use clock::Clock;
 use coalesce::{Lanes, io};
 use connect::Pool;
@@ -244,9 +245,8 @@ impl Shared {
 
     /// When the caller of a call starting now stops waiting: the call timeout, or the
     /// caller's own deadline if sooner.
-    fn deadline(&self) -> Instant {
-        let own = Instant::now() + self.call_timeout;
-        caller_deadline().map_or(own, |caller| caller.min(own))
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.call_timeout).or_sooner()
     }
 }
 

@@ -1,0 +1,162 @@
+//! When a caller stops waiting for its answer: one value carried from the gRPC edge (Envoy
+//! sends its filter timeout as `grpc-timeout`) down to the Redis script, which, starting
+//! later than it, charges nothing.
+//!
+//! One deadline instead of a timeout per layer: a layer's own bound (the Redis call timeout)
+//! only ever shortens it, so no layer waits for an answer nobody will read, and no decision
+//! is charged for a caller that already gave up. It travels as a task-local because only the
+//! edge sets it and only the backend at the bottom reads it; the decorators in between need
+//! not carry it.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// An instant past which the answer is of no use to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Deadline(Instant);
+
+tokio::task_local! {
+    static CURRENT: Deadline;
+}
+
+/// What an answer needs, after the backend, to reach a caller before its deadline: this
+/// plus a quarter of the caller's timeout (a busy machine delays timers and answers).
+const ANSWER_MARGIN: Duration = Duration::from_millis(1);
+
+/// Longer than any caller waits; what a timeout too large to add to an instant means.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+impl Deadline {
+    pub fn at(instant: Instant) -> Deadline {
+        Deadline(instant)
+    }
+
+    /// `timeout` from now.
+    pub fn after(timeout: Duration) -> Deadline {
+        let now = Instant::now();
+        Deadline(
+            now.checked_add(timeout)
+                .or_else(|| now.checked_add(FOREVER))
+                .unwrap_or(now),
+        )
+    }
+
+    /// The deadline for deciding a call whose caller waits `timeout` in all: earlier by
+    /// what the answer needs to get back.
+    pub fn for_call(timeout: Duration) -> Deadline {
+        Deadline::after(timeout.saturating_sub(ANSWER_MARGIN + timeout / 4))
+    }
+
+    pub fn instant(self) -> Instant {
+        self.0
+    }
+
+    /// Time left (zero once past).
+    pub fn remaining(self) -> Duration {
+        self.0.saturating_duration_since(Instant::now())
+    }
+
+    /// The deadline of the decision this task is taking, if its caller set one.
+    pub fn current() -> Option<Deadline> {
+        CURRENT.try_with(|deadline| *deadline).ok()
+    }
+
+    /// This deadline, or the current decision's if that is sooner.
+    pub fn or_sooner(self) -> Deadline {
+        Deadline::current().map_or(self, |current| current.min(self))
+    }
+
+    /// Run `work` as a decision due by this deadline (for [`Deadline::current`]), without a
+    /// timer: the backend alone decides what being late means.
+    pub async fn scope<F: Future>(self, work: F) -> F::Output {
+        CURRENT.scope(self, work).await
+    }
+
+    /// Run `work` as a decision due by this deadline, and give up on it then (`None`).
+    pub async fn bound<F: Future>(self, work: F) -> Option<F::Output> {
+        tokio::time::timeout_at(self.0.into(), self.scope(work))
+            .await
+            .ok()
+    }
+}
+
+/// A `grpc-timeout` header's value: digits and a unit letter (gRPC over HTTP/2).
+pub fn grpc_timeout(text: &str) -> Option<Duration> {
+    let (amount, unit) = text.split_at(text.len().checked_sub(1)?);
+    let amount: u64 = amount.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.checked_mul(3_600)?),
+        "M" => Duration::from_secs(amount.checked_mul(60)?),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_in_every_unit() {
+        let rows = [
+            ("2H", Some(Duration::from_secs(7_200))),
+            ("3M", Some(Duration::from_secs(180))),
+            ("4S", Some(Duration::from_secs(4))),
+            ("20m", Some(Duration::from_millis(20))),
+            ("250u", Some(Duration::from_micros(250))),
+            ("1n", Some(Duration::from_nanos(1))),
+            ("", None),
+            ("m", None),
+            ("12x", None),
+            ("-1m", None),
+            ("99999999999999999999H", None),
+        ];
+        for (text, expected) in rows {
+            assert_eq!(grpc_timeout(text), expected, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn a_huge_timeout_is_far_away_not_a_panic() {
+        let deadline = Deadline::after(Duration::MAX);
+        assert!(deadline.remaining() > Duration::from_secs(3600));
+        assert!(Deadline::for_call(Duration::MAX).remaining() > Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn a_call_keeps_a_quarter_and_a_millisecond_to_answer() {
+        let deadline = Deadline::for_call(Duration::from_millis(100));
+        let left = deadline.remaining();
+        assert!(left <= Duration::from_millis(74), "{left:?}");
+        assert!(left > Duration::from_millis(60), "{left:?}");
+        assert_eq!(
+            Deadline::for_call(Duration::from_micros(500)).remaining(),
+            Duration::ZERO
+        );
+    }
+
+    #[tokio::test]
+    async fn the_sooner_of_a_bound_and_the_callers_deadline_applies() {
+        let own = Deadline::after(Duration::from_secs(10));
+        assert_eq!(own.or_sooner(), own, "no caller deadline: the own bound");
+        let caller = Deadline::after(Duration::from_secs(1));
+        let seen = caller.scope(async { own.or_sooner() }).await;
+        assert_eq!(seen, caller);
+        let later = Deadline::after(Duration::from_secs(60));
+        assert_eq!(later.scope(async { own.or_sooner() }).await, own);
+    }
+
+    #[tokio::test]
+    async fn bound_gives_up_at_the_deadline() {
+        let past = Deadline::at(Instant::now() - Duration::from_millis(1));
+        assert_eq!(past.bound(std::future::pending::<()>()).await, None);
+        let soon = Deadline::after(Duration::from_secs(5));
+        assert_eq!(
+            soon.bound(async { Deadline::current() }).await,
+            Some(Some(soon))
+        );
+    }
+}
