@@ -11,13 +11,14 @@
 //!
 //! Calls run on a runtime of their own (one thread, `io`) that also drives the connections,
 //! so a reply is read, and a call timed, when Redis answers, however far behind the threads
-//! serving gRPC are. A call is timed from when it is written. A caller whose wait ran out
-//! while its request was still queued here, or in flight for less than the call timeout (its
-//! time went in this process's queues), gets [`BackendError::Late`]: the policy's answer, but
-//! no evidence against Redis. So is a call that timed out while the I/O runtime itself was
-//! kept from running (a machine short of CPU: Redis' answer may have waited for us). A
-//! queued request whose deadline passed, or whose caller left, is never sent: it could only
-//! charge for nothing.
+//! serving gRPC are. A call is timed from when it is written: [`BackendError::Timeout`] when
+//! Redis has not answered within the call timeout of that. A caller whose wait ran out while
+//! its request was still queued here gets [`BackendError::Late`] instead: the policy's
+//! answer, but no evidence against Redis (once written, the caller waits for the I/O
+//! runtime's verdict). So does a call that timed out while the I/O runtime itself was kept
+//! from running (a machine short of CPU: Redis' answer may have waited for us). A queued
+//! request whose deadline passed, or whose caller left, is never sent: it could only charge
+//! for nothing.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
