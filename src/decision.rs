@@ -108,8 +108,9 @@ pub enum BackendError {
     Full(String),
     #[error("backend circuit open: failing fast")]
     CircuitOpen,
-    /// The caller's wait ran out while its request queued in this process, or was in flight
-    /// for less than the backend's own timeout: this process's delay, not the backend's.
+    /// The caller's wait ran out while its request queued in this process, or the backend's
+    /// own timeout passed while this process could not run: this process's delay, not the
+    /// backend's.
     #[error("backend answer late: the request waited in turnstile")]
     Late,
     /// Too many requests already queued for the backend: this process is overloaded.
