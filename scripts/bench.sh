@@ -3,8 +3,11 @@
 #   a. throughput and latency at 64 concurrent calls, key cardinality 1 and 100 000, each
 #      algorithm, memory and Redis backends (plus one run where nearly every answer is
 #      OVER_LIMIT);
+#   a2. Redis coalescing A/B: 64 in flight with --redis-batch 1 and the default, then 256 and
+#      512 in flight counting errors;
 #   b. the Redis ceiling: redis-benchmark running the same EVALSHA of the real batch script
-#      against the same Redis, pipelined like turnstile's multiplexed connections;
+#      (`turnstile redis-script`) against the same Redis, one request per call, pipelined like
+#      turnstile's multiplexed connections;
 #   c. p99 at 50% of the peak rate, open loop (latency from each call's due time);
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
@@ -30,7 +33,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -115,18 +118,12 @@ for _ in $(seq 100); do rcli PING >/dev/null 2>&1 && break; sleep 0.05; done
 rcli PING >/dev/null || { cat "$TMP/redis.log" >&2; exit 1; }
 log "redis-server $(redis-server --version | awk '{print $3}') on 127.0.0.1:$REDIS_PORT (pid $REDIS_PID)"
 
-# The batch script exactly as src/backend/redis/script.rs assembles it: the parts joined
-# with newlines. Loading it here also checks that turnstile then finds it by hash.
-{
-  printf 'local ALGORITHMS = {}\n\n'
-  cat lua/fixed_window.lua; printf '\n'
-  cat lua/sliding_window.lua; printf '\n'
-  cat lua/token_bucket.lua; printf '\n'
-  cat lua/concurrency.lua; printf '\n'
-  cat lua/batch.lua
-} >"$TMP/batch.lua"
+# The batch script from the binary, exactly as turnstile runs it (its SHA-1 on stderr).
+# Loading it here also checks that turnstile then finds it by hash.
+"$BIN" redis-script >"$TMP/batch.lua" 2>"$TMP/batch.sha1"
 SHA="$(rcli -x SCRIPT LOAD <"$TMP/batch.lua")"
-[ "$SHA" = "$(sha1sum "$TMP/batch.lua" | cut -d' ' -f1)" ] || { echo "SCRIPT LOAD changed the text" >&2; exit 1; }
+[ "$SHA" = "$(tr -d '[:space:]' <"$TMP/batch.sha1")" ] ||
+  { echo "SCRIPT LOAD gave $SHA, turnstile calls $(cat "$TMP/batch.sha1")" >&2; exit 1; }
 
 # ---------------------------------------------------------------------------------------
 # Rules. Limits are high enough that answers are real admissions (state read and written),
@@ -157,9 +154,10 @@ EOF
 declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
   [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
 # ARGV of one hit of each rule, as turnstile sends it: algorithm, limit, window s, burst,
-# cost, lease, role. turnstile sends an empty lease for these algorithms; an empty word
-# cannot pass through redis-benchmark's arguments here, and "0" means the same to the
-# script (only a lease starting with + or - does anything).
+# cost, lease, role (after the call's request count, 1, and the request's mode, nonce,
+# deadline 0 and hit count, 1). turnstile sends an empty lease for these algorithms; an
+# empty word cannot pass through redis-benchmark's arguments here, and "0" means the same to
+# the script (only a lease starting with + or - does anything).
 declare -A HIT_ARGS=(
   [fw]="fixed_window 1000000000 60 1000000000 1 0 e"
   [sw]="sliding_window 10000 1 10000 1 0 e"
@@ -257,6 +255,21 @@ for backend in memory redis; do
   # At most 64 in flight, many times what this rate needs; a call that waits for a free
   # worker still counts its wait, since latency runs from its due time.
   load "$backend/open_loop_50pct/$BIG" "$backend" fw "$BIG" --rate "$rate"
+  stop "$TS_PID"
+done
+
+# ---------------------------------------------------------------------------------------
+# a2. Coalescing, A/B in one run: the Redis backend at 64 in flight with every request a
+#     script call of its own (--redis-batch 1) and with the default batch (Redis CPU per
+#     decision is the figure: cpu_us_per_call.redis); then 256 and 512 in flight, counting
+#     errors (a healthy Redis must cause none).
+for batch in 1 default; do
+  if [ "$batch" = default ]; then start_turnstile redis; else start_turnstile redis --redis-batch "$batch"; fi
+  for inflight in 64 256 512; do
+    [ "$batch" = 1 ] && [ "$inflight" != 64 ] && continue
+    rcli FLUSHALL >/dev/null
+    LOAD_CONCURRENCY="$inflight" load "redis_batch_$batch/fixed_window/$BIG/c$inflight" redis fw "$BIG"
+  done
   stop "$TS_PID"
 done
 

@@ -378,6 +378,11 @@ pub struct ServeArgs {
     /// Multiplexed Redis connections per instance.
     #[arg(long, env = "REDIS_POOL_SIZE", default_value_t = 2)]
     pub redis_connections: usize,
+    /// Most requests one Redis script call decides: requests arriving while calls are in
+    /// flight (at most REDIS_POOL_SIZE per server, or per Cluster slot) share the next call,
+    /// each decided on its own. 1 turns coalescing off: every request is a call of its own.
+    #[arg(long, env = "TURNSTILE_REDIS_BATCH", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    pub redis_batch: usize,
     /// Bound on every Redis call; past it the call counts as failed.
     #[arg(long, env = "TURNSTILE_REDIS_TIMEOUT", value_parser = duration, default_value = "25ms")]
     pub redis_timeout: Duration,

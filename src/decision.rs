@@ -108,6 +108,14 @@ pub enum BackendError {
     Full(String),
     #[error("backend circuit open: failing fast")]
     CircuitOpen,
+    /// The caller's wait ran out while its request queued in this process, or the backend's
+    /// own timeout passed while this process could not run: this process's delay, not the
+    /// backend's.
+    #[error("backend answer late: the request waited in turnstile")]
+    Late,
+    /// Too many requests already queued for the backend: this process is overloaded.
+    #[error("backend overloaded: too many requests queued")]
+    Overloaded,
 }
 
 impl BackendError {
@@ -118,14 +126,18 @@ impl BackendError {
             BackendError::Unavailable(_) => "backend_unavailable",
             BackendError::Full(_) => "backend_full",
             BackendError::CircuitOpen => "circuit_open",
+            BackendError::Late => "backend_late",
+            BackendError::Overloaded => "backend_overloaded",
         }
     }
 
-    pub const KINDS: [&'static str; 4] = [
+    pub const KINDS: [&'static str; 6] = [
         "backend_timeout",
         "backend_unavailable",
         "backend_full",
         "circuit_open",
+        "backend_late",
+        "backend_overloaded",
     ];
 }
 

@@ -116,6 +116,7 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         urls,
         mode,
         connections: args.redis_connections,
+        batch: args.redis_batch,
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
         key_prefix: args.cache_key_prefix.clone(),

@@ -1461,3 +1461,70 @@ async fn a_cached_refusal_refuses_its_request_during_an_outage() {
         "Redis is down, the policy is error: {alone:?}"
     );
 }
+
+/// A saturated machine (here 48 calls of 64 descriptors each kept in flight on 2 cores, by
+/// this test, turnstile and Redis together) queues work in turnstile, not in Redis: calls that
+/// wait there too long are answered by the policy (late), but they do not open the breaker on
+/// a healthy Redis, so no call is failed for an open circuit. At the default 25 ms Redis
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
+    let _serial = load::serial().await;
+    let store = Store::Single(RedisServer::start());
+    let rules = Rules::new(RULES);
+    let args = store.args("25ms");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let t = Turnstile::start(rules.path(), &args).await;
+    let mut channels = Vec::new();
+    for _ in 0..4 {
+        channels.push(t.channel().await);
+    }
+    const CALLS_IN_FLIGHT: usize = 48;
+    const DESCRIPTORS: usize = 64;
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut streams = tokio::task::JoinSet::new();
+    for stream in 0..CALLS_IN_FLIGHT {
+        let mut client = RateLimitServiceClient::new(channels[stream % 4].clone());
+        streams.spawn(async move {
+            let mut answers = Vec::new();
+            let mut n = 0;
+            while Instant::now() < until {
+                let descriptors = (0..DESCRIPTORS)
+                    .map(|d| descriptor(&[("signal", &format!("sat-{stream}-{n}-{d}"))]))
+                    .collect();
+                let answer = client
+                    .should_rate_limit(request("faults", descriptors))
+                    .await;
+                answers.push(Answer::from_result(answer.map(tonic::Response::into_inner)));
+                n += 1;
+            }
+            answers
+        });
+    }
+    let answers: Vec<Answer> = streams.join_all().await.into_iter().flatten().collect();
+    let failed: Vec<&Answer> = answers.iter().filter(|a| a.failed()).collect();
+    let circuit_open = failed
+        .iter()
+        .filter(|a| matches!(a, Answer::Failed(_, m) if m.contains("circuit open")))
+        .count();
+    let opened = t
+        .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+        .await
+        .unwrap_or(0.0);
+    let mut errors = Vec::new();
+    for kind in ["backend_timeout", "backend_late", "backend_overloaded"] {
+        let series = format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
+        errors.push((kind, t.metric(&series).await.unwrap_or(0.0)));
+    }
+    println!(
+        "[faults] saturated: {} calls of {DESCRIPTORS} descriptors, {CALLS_IN_FLIGHT} in flight, Redis timeout 25 ms: {} failed ({circuit_open} for an open circuit), by kind {errors:?}; breaker opened {opened} times",
+        answers.len(),
+        failed.len()
+    );
+    assert!(answers.len() >= CALLS_IN_FLIGHT, "{} calls", answers.len());
+    assert_eq!(circuit_open, 0, "calls failed for an open circuit");
+    assert_eq!(opened, 0.0, "the breaker opened with Redis healthy");
+    // How many wait past 25 ms depends on how busy the machine is (debug binaries, other
+    // tests): only that Redis answered some of them is certain.
+    assert!(failed.len() < answers.len(), "every call failed");
+}

@@ -747,7 +747,7 @@ async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
 }
 
 /// A decision whose caller's deadline has passed when the script starts (on Redis' clock,
-/// learned from the earlier replies) is not taken: the call times out and charges nothing,
+/// learned from the earlier replies) is not taken: the answer is late and charges nothing,
 /// on every algorithm, on a single server and on a Cluster (one slot, and across slots).
 #[tokio::test]
 async fn a_decision_past_its_callers_deadline_charges_nothing() {
@@ -788,11 +788,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
             // time to reach Redis (the first reply also carried a script load).
             let gone = Instant::now() - SEC;
             let late = Deadline::at(gone).scope(backend.evaluate(&hits, Charging::Atomic));
-            assert_eq!(
-                late.await,
-                Err(BackendError::Timeout),
-                "{name} {algorithm:?}"
-            );
+            assert_eq!(late.await, Err(BackendError::Late), "{name} {algorithm:?}");
             let after = eval(backend, &hits, Charging::Atomic).await;
             assert!(
                 after.iter().all(|o| o.admitted && o.remaining == 8),
@@ -1752,4 +1748,76 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
         );
         assert!(calls <= 120, "{key}: {calls} Redis calls for 400 requests");
     }
+}
+
+// ---- coalescing ----------------------------------------------------------------------------
+
+/// With one call in flight (the lane's only one: one connection), requests that arrive queue
+/// and share the next script call, yet each is decided on its own: a request refused by one
+/// limit charges none of its hits, the request beside it in the same call is admitted and
+/// charged. Redis counts two script calls for the three requests (three with `batch: 1`).
+#[tokio::test]
+async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independently() {
+    let server = RedisServer::start();
+    let b = RedisBackend::connect(&RedisConfig {
+        connections: 1,
+        ..config(vec![server.url()], RedisMode::Single, "co:")
+    })
+    .await
+    .unwrap();
+    let one_an_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
+    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    assert!(one(&b, &hit("full", one_an_hour, 1)).await.admitted);
+
+    let calls_before = script_calls(&server);
+    server.freeze();
+    let busy = tokio::spawn({
+        let b = b.clone();
+        async move { one(&b, &hit("busy", ten_an_hour, 1)).await }
+    });
+    // The busy call is written (Redis, frozen, holds it); the next two requests queue.
+    sleep(Duration::from_millis(150)).await;
+    let refused = tokio::spawn({
+        let b = b.clone();
+        let hits = [hit("full", one_an_hour, 1), hit("spared", ten_an_hour, 1)];
+        async move { eval(&b, &hits, Charging::Atomic).await }
+    });
+    let admitted = tokio::spawn({
+        let b = b.clone();
+        async move { one(&b, &hit("charged", ten_an_hour, 1)).await }
+    });
+    sleep(Duration::from_millis(150)).await;
+    server.thaw();
+    let (busy, refused, admitted) = (
+        busy.await.unwrap(),
+        refused.await.unwrap(),
+        admitted.await.unwrap(),
+    );
+    let calls = script_calls(&server) - calls_before;
+    assert_eq!(calls, 2, "3 requests, the last two in one call");
+    assert!(busy.admitted && busy.remaining == 9, "{busy:?}");
+    assert!(!refused[0].admitted, "the full limit refuses: {refused:?}");
+    assert!(
+        refused[1].admitted,
+        "its other hit alone passes: {refused:?}"
+    );
+    assert!(admitted.admitted && admitted.remaining == 9, "{admitted:?}");
+
+    // What Redis holds now, read at cost 0: the refused request charged nothing, the one
+    // beside it exactly its unit.
+    let read = |key: &str, l: Limit| hit(key, l, 0);
+    let counts = eval(
+        &b,
+        &[
+            read("full", one_an_hour),
+            read("spared", ten_an_hour),
+            read("charged", ten_an_hour),
+            read("busy", ten_an_hour),
+        ],
+        Charging::Nothing,
+    )
+    .await;
+    let remaining: Vec<u32> = counts.iter().map(|o| o.remaining).collect();
+    assert_eq!(remaining, [0, 10, 9, 9]);
 }

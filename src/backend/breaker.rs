@@ -12,6 +12,9 @@
 //!   (Envoy's 20 ms filter timeout against a longer Redis timeout) still opens the circuit, an
 //!   abandoned call starts one independent check (`ready`, bounded by the backend's own
 //!   timeout) if none is running; its result is the evidence.
+//! - an answer the backend reports late ([`BackendError::Late`]: the request waited in this
+//!   process, not in the backend) or refused for overload ([`BackendError::Overloaded`]:
+//!   this process's queue is full): treated like an abandoned call, for the same reasons.
 //! - a timeout while this process's own scheduler lagged: a saturated runtime runs timers and
 //!   reads replies late, and would blame a healthy Redis for its own queue. A ticker measures
 //!   how late the runtime wakes it; a timeout counts only if that lag stayed under half the
@@ -20,11 +23,12 @@
 //! The failure policy (fallback) then answers the failed calls; the breaker only decides
 //! whether the backend is worth asking.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
+use super::lag::Lag;
 use crate::decision::{BackendError, Charging, Hit, Outcome};
 use crate::metrics::Metrics;
 
@@ -139,9 +143,7 @@ impl Core {
         match result {
             Ok(_) => Evidence::Works,
             Err(BackendError::Full(_)) => Evidence::Inconclusive,
-            Err(BackendError::Timeout) if self.lag.recent() > (waited / 2).max(LAG_FLOOR) => {
-                Evidence::Inconclusive
-            }
+            Err(BackendError::Timeout) if self.lag.explains(waited) => Evidence::Inconclusive,
             Err(_) => Evidence::Fails,
         }
     }
@@ -227,7 +229,8 @@ fn check<B: Backend>(inner: &Arc<B>, core: &Arc<Core>) {
     });
 }
 
-/// Dropped before the backend answered: the caller abandoned the call.
+/// Dropped before the backend answered (the caller abandoned the call), or armed still when
+/// the answer says only that this process was late.
 struct Abandoned<'a, B: Backend> {
     breaker: &'a Breaker<B>,
     probe: bool,
@@ -261,73 +264,17 @@ impl<B: Backend> Backend for Breaker<B> {
         };
         let started = Instant::now();
         let result = self.inner.evaluate(hits, charging).await;
-        abandoned.armed = false;
-        self.core
-            .record(self.core.judge(&result, started.elapsed()), probe);
+        if !matches!(result, Err(BackendError::Late | BackendError::Overloaded)) {
+            abandoned.armed = false;
+            self.core
+                .record(self.core.judge(&result, started.elapsed()), probe);
+        }
         result
     }
 
     async fn ready(&self) -> bool {
         self.inner.ready().await
     }
-}
-
-/// How late this process's runtime wakes a task that asked to be woken: near zero on a
-/// healthy process, the length of the run queue on a saturated one.
-struct Lag {
-    shared: Arc<LagShared>,
-}
-
-struct LagShared {
-    base: Instant,
-    /// When the ticker last woke, in microseconds since `base`.
-    woke: AtomicU64,
-    /// How late it woke then, in microseconds.
-    late: AtomicU64,
-}
-
-/// The ticker's period: a few thousand cheap wake-ups a minute.
-const TICK: Duration = Duration::from_millis(5);
-/// Lag below this is the timers' own granularity (1 ms) and ordinary scheduling.
-const LAG_FLOOR: Duration = Duration::from_millis(2);
-
-impl Lag {
-    /// Start the ticker; it stops when the `Lag` is dropped.
-    fn start() -> Lag {
-        let shared = Arc::new(LagShared {
-            base: Instant::now(),
-            woke: AtomicU64::new(0),
-            late: AtomicU64::new(0),
-        });
-        let weak = Arc::downgrade(&shared);
-        tokio::spawn(async move {
-            loop {
-                let due = Instant::now() + TICK;
-                tokio::time::sleep_until(due.into()).await;
-                let Some(shared) = weak.upgrade() else {
-                    return;
-                };
-                let now = Instant::now();
-                shared.late.store(micros(now - due), Ordering::Relaxed);
-                shared
-                    .woke
-                    .store(micros(now - shared.base), Ordering::Relaxed);
-            }
-        });
-        Lag { shared }
-    }
-
-    /// The lag now: how late the ticker last woke, or how overdue it is if that is more.
-    fn recent(&self) -> Duration {
-        let shared = &self.shared;
-        let woke = Duration::from_micros(shared.woke.load(Ordering::Relaxed));
-        let overdue = shared.base.elapsed().saturating_sub(woke + TICK);
-        Duration::from_micros(shared.late.load(Ordering::Relaxed)).max(overdue)
-    }
-}
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -346,6 +293,8 @@ mod tests {
         hang: AtomicBool,
         /// Calls block the runtime's thread 40 ms, then time out: a saturated process.
         stall: AtomicBool,
+        /// Calls answer late: they waited in this process.
+        late: AtomicBool,
         calls: AtomicU32,
     }
 
@@ -354,6 +303,9 @@ mod tests {
             self.calls.fetch_add(1, Ordering::SeqCst);
             if self.hang.load(Ordering::SeqCst) {
                 std::future::pending::<()>().await;
+            }
+            if self.late.load(Ordering::SeqCst) {
+                return Err(BackendError::Late);
             }
             if self.stall.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(40));
@@ -532,5 +484,48 @@ mod tests {
         );
         assert_eq!(call().await, Err(BackendError::CircuitOpen));
         assert_eq!(switch.calls.load(Ordering::SeqCst), 4);
+    }
+
+    /// Late answers prove nothing about a healthy backend, however many, and a late probe
+    /// passes its turn on; against a dead backend, the independent checks they start open the
+    /// circuit all the same.
+    #[tokio::test]
+    async fn late_answers_are_no_evidence() {
+        let (switch, breaker) = breaker(3);
+        let call = || breaker.evaluate(&[], Charging::Atomic);
+        switch.late.store(true, Ordering::SeqCst);
+        for _ in 0..20 {
+            assert_eq!(call().await, Err(BackendError::Late));
+        }
+        assert!(
+            breaker.core.is_closed(),
+            "20 late answers opened the circuit"
+        );
+        switch.late.store(false, Ordering::SeqCst);
+        assert!(call().await.is_ok());
+
+        switch.down.store(true, Ordering::SeqCst);
+        for _ in 0..3 {
+            assert_eq!(call().await, Err(down()));
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        switch.down.store(false, Ordering::SeqCst);
+        switch.late.store(true, Ordering::SeqCst);
+        assert_eq!(call().await, Err(BackendError::Late), "the probe came late");
+        switch.late.store(false, Ordering::SeqCst);
+        assert!(call().await.is_ok(), "the next call was the probe");
+        assert!(breaker.core.is_closed());
+
+        switch.late.store(true, Ordering::SeqCst);
+        switch.down.store(true, Ordering::SeqCst);
+        let give_up = Instant::now() + Duration::from_secs(2);
+        while breaker.core.is_closed() {
+            let _ = call().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert!(
+                Instant::now() < give_up,
+                "the checks never opened the circuit"
+            );
+        }
     }
 }

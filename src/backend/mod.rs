@@ -7,6 +7,7 @@
 
 pub mod breaker;
 pub mod deferred;
+mod lag;
 pub mod leased;
 pub mod measured;
 pub mod memory;

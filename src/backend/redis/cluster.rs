@@ -13,8 +13,8 @@ use std::sync::Arc;
 use ::redis::cluster_routing::Slot;
 use tokio::task::JoinSet;
 
-use super::Shared;
-use super::script::{Call, Mode, Reply, role_letter};
+use super::script::{Mode, Part, Reply, role_letter};
+use super::{Shared, coalesce};
 use crate::algorithm::Micros;
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 
@@ -82,7 +82,8 @@ impl Job {
             Ok(Err(err)) => Err(BackendError::Unavailable(format!(
                 "a Redis Cluster request failed: {err}"
             ))),
-            Err(_) => Err(BackendError::Timeout),
+            // Its calls report Redis' own timeouts; past the caller's wait the time went here.
+            Err(_) => Err(BackendError::Late),
         }
     }
 
@@ -92,12 +93,18 @@ impl Job {
                 Charging::Nothing => Mode::Check,
                 Charging::Atomic | Charging::PerDescriptor => Mode::Each,
             };
-            let mut call = Call::new(mode, &self.nonce, self.shared.key_layout, self.at);
+            let mut part = Part::new(mode, &self.nonce);
             for &i in group {
                 let (key, hit) = &self.hits[i];
-                call.push(key.clone(), hit, hit.hits, role_letter(hit.role));
+                part.push(
+                    key.clone(),
+                    hit,
+                    hit.hits,
+                    role_letter(hit.role),
+                    self.layout(),
+                );
             }
-            call
+            part
         });
         let replies = self.all(calls.collect(), self.deadline).await;
 
@@ -133,14 +140,14 @@ impl Job {
             .iter()
             .filter(|group| group.iter().any(|&i| charged(i)))
             .map(|group| {
-                let mut call =
-                    Call::new(Mode::Refund, &self.nonce, self.shared.key_layout, self.at);
+                let mut part = Part::new(Mode::Refund, &self.nonce);
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };
-                    call.push(key.clone(), hit, cost, verdicts[i].stamp.to_string());
+                    let stamp = verdicts[i].stamp.to_string();
+                    part.push(key.clone(), hit, cost, stamp, self.layout());
                 }
-                call
+                part
             });
         for result in self.all(calls.collect(), None).await {
             if let Err(err) = result {
@@ -149,19 +156,24 @@ impl Job {
         }
     }
 
-    /// Run calls concurrently; results in the order of `calls`.
+    fn layout(&self) -> super::KeyLayout {
+        self.shared.key_layout
+    }
+
+    /// Run the parts concurrently, each in its slot's lane; results in the order of `parts`.
     async fn all(
         &self,
-        calls: Vec<Call>,
+        parts: Vec<Part>,
         deadline: Option<Deadline>,
     ) -> Vec<Result<Vec<Reply>, BackendError>> {
         let mut tasks = JoinSet::new();
-        for (n, mut call) in calls.into_iter().enumerate() {
+        for (n, part) in parts.into_iter().enumerate() {
             let shared = Arc::clone(&self.shared);
+            let at = self.at;
             tasks.spawn(async move {
-                let result = shared
-                    .run(&mut call, shared.cleanup_timeout, deadline)
-                    .await;
+                let slot = shared.slot(&part);
+                let bound = shared.cleanup_timeout;
+                let result = coalesce::call(&shared, slot, part, at, deadline, bound).await;
                 (n, result)
             });
         }

@@ -2,14 +2,16 @@
 //! Cluster), every decision taken by one Lua script on Redis time, so any number of turnstile
 //! instances share exact counts.
 //!
-//! A request is one EVALSHA of the batch script (`lua/batch.lua`) over all of its hits, which
-//! makes it atomic. On a Cluster, hits whose limits live in different slots cannot share a
+//! A request is decided by the batch script (`lua/batch.lua`) over all of its hits in one
+//! call, which makes it atomic; requests that arrive together share a call (`coalesce`), each
+//! decided on its own. On a Cluster, hits whose limits live in different slots cannot share a
 //! script call; `cluster` reserves them per slot and refunds the reservation when the request
 //! is refused as a whole.
 
 mod client;
 mod clock;
 mod cluster;
+mod coalesce;
 mod connect;
 mod layout;
 mod script;
@@ -18,18 +20,20 @@ mod twins;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use ::redis::RedisError;
+use ::redis::cluster_routing::Slot;
+use ::redis::{RedisError, RedisResult};
 
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
 use crate::deadline::Deadline;
 use clock::Clock;
+use coalesce::{Lanes, io};
 use connect::Pool;
 pub use layout::KeyLayout;
-use script::{Call, Mode, Reply};
 pub use script::{Lua, batch_source};
+use script::{Mode, Part};
 
 /// How the configured URLs reach the master(s) that hold the state.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -54,15 +58,21 @@ pub struct RedisConfig {
     pub urls: Vec<String>,
     /// Default: [`RedisMode::Single`].
     pub mode: RedisMode,
-    /// Multiplexed connections used round-robin (per node on a Cluster; at least 1). Default: 2.
+    /// Multiplexed connections used round-robin (per node on a Cluster; at least 1), and the
+    /// script calls in flight per server (per slot on a Cluster) when coalescing. Default: 2.
     pub connections: usize,
+    /// Most requests decided by one script call: requests that arrive while calls are in
+    /// flight share the next one (see `coalesce`). 1: every request is a call of its own.
+    /// Default: 64.
+    pub batch: usize,
     /// Bound on establishing a connection (and on `connect` as a whole). Default: 1 s.
     pub connect_timeout: Duration,
     /// Where fixed-window counters live: turnstile's keys, or the reference's (to share
     /// counters with it during a migration). Default: turnstile's.
     pub key_layout: KeyLayout,
-    /// Bound on every `evaluate` (and `ready`) call; beyond it the call fails with
-    /// [`BackendError::Timeout`]. Default: 25 ms.
+    /// Bound on every `evaluate` (and `ready`) call: a call Redis has not answered this long
+    /// after it was written fails with [`BackendError::Timeout`]; a request whose caller waited
+    /// this long mostly in turnstile's own queue, with [`BackendError::Late`]. Default: 25 ms.
     pub call_timeout: Duration,
     /// Prepended to every key, outside the hash tag; must not contain braces. Default: "".
     pub key_prefix: String,
@@ -89,6 +99,7 @@ impl Default for RedisConfig {
             urls: vec!["redis://127.0.0.1:6379".into()],
             mode: RedisMode::Single,
             connections: 2,
+            batch: 64,
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_millis(25),
             key_prefix: String::new(),
@@ -108,6 +119,7 @@ impl fmt::Debug for RedisConfig {
             .field("urls", &urls)
             .field("mode", &self.mode)
             .field("connections", &self.connections)
+            .field("batch", &self.batch)
             .field("connect_timeout", &self.connect_timeout)
             .field("call_timeout", &self.call_timeout)
             .field("key_prefix", &self.key_prefix)
@@ -129,6 +141,7 @@ pub struct RedisBackend {
 /// What the backend and the tasks it spawns (cluster reservations) share.
 struct Shared {
     pool: Pool,
+    lanes: Lanes,
     call_timeout: Duration,
     /// Bound on script calls that must finish even after the caller gave up (refunds).
     cleanup_timeout: Duration,
@@ -146,10 +159,16 @@ impl RedisBackend {
                     .into(),
             ));
         }
-        let pool = Pool::connect(config).await?;
+        // On the I/O runtime, which then drives the connections (see `coalesce`).
+        let owned = config.clone();
+        let pool = io()
+            .spawn(async move { Pool::connect(&owned).await })
+            .await
+            .map_err(|err| BackendError::Unavailable(format!("connecting to Redis: {err}")))??;
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 pool,
+                lanes: Lanes::new(config.batch, config.connections),
                 call_timeout: config.call_timeout,
                 cleanup_timeout: config.call_timeout + config.connect_timeout,
                 key_prefix: config.key_prefix.clone(),
@@ -170,21 +189,27 @@ impl RedisBackend {
         suffix: &str,
         args: &[String],
     ) -> Result<i64, BackendError> {
-        let shared = &self.shared;
+        let shared = Arc::clone(&self.shared);
         let key = format!("{}{{{identity}}}{suffix}", shared.key_prefix);
-        let call = script::run_lua(&shared.pool, lua, &key, args);
-        match tokio::time::timeout(shared.call_timeout, call).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(err)) => {
-                shared.pool.trouble(&err);
-                Err(backend_error(&err))
-            }
-            Err(_) => {
-                shared.pool.timed_out();
-                Err(BackendError::Timeout)
-            }
-        }
+        let args = args.to_vec();
+        let lua = lua.clone();
+        on_io(async move {
+            let call = script::run_lua(&shared.pool, &lua, &key, &args);
+            shared.bounded(call).await
+        })
+        .await
     }
+}
+
+/// Run `work` on the I/O runtime, so that it is timed there (see `coalesce`).
+async fn on_io<T: Send + 'static>(
+    work: impl Future<Output = Result<T, BackendError>> + Send + 'static,
+) -> Result<T, BackendError> {
+    io().spawn(work).await.unwrap_or_else(|err| {
+        Err(BackendError::Unavailable(format!(
+            "a Redis call failed: {err}"
+        )))
+    })
 }
 
 impl Shared {
@@ -192,45 +217,30 @@ impl Shared {
         self.key_layout.key(&self.key_prefix, &hit.key, &hit.limit)
     }
 
-    /// Run one script call within `bound`. A decision carries `deadline`, when its caller
-    /// stops waiting: a script that starts later charges nothing, and the call times out.
-    async fn run(
+    /// The lane a part's call goes in: its slot on a Cluster, the one server otherwise.
+    fn slot(&self, part: &Part) -> Option<Slot> {
+        self.pool
+            .is_cluster()
+            .then(|| part.first_key().map(Slot::for_key))
+            .flatten()
+    }
+
+    /// A command other than a decision, bounded by the call timeout.
+    async fn bounded<T>(
         &self,
-        call: &mut Call,
-        bound: Duration,
-        deadline: Option<Deadline>,
-    ) -> Result<Vec<Reply>, BackendError> {
-        let give_up = tokio::time::Instant::now() + bound;
-        // A second attempt only when Redis' clock turned out ahead of the estimate.
-        for _ in 0..2 {
-            if let Some(deadline) = deadline {
-                call.set_deadline(self.clock.redis_time(deadline.instant()).unwrap_or(0));
+        command: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(self.call_timeout, command).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(err)) => {
+                self.pool.trouble(&err);
+                Err(backend_error(&err))
             }
-            let sent = Instant::now();
-            let answer = match tokio::time::timeout_at(give_up, script::run(&self.pool, call)).await
-            {
-                Ok(Ok(raw)) => script::decode(raw, call)?,
-                Ok(Err(err)) => {
-                    self.pool.trouble(&err);
-                    return Err(backend_error(&err));
-                }
-                Err(_) => {
-                    self.pool.timed_out();
-                    return Err(BackendError::Timeout);
-                }
-            };
-            if let Some(replies) = answer.replies {
-                self.clock.observe(sent, answer.redis_now);
-                return Ok(replies);
-            }
-            if deadline.is_some_and(|d| d.remaining() > Duration::ZERO) {
-                self.clock.restart(sent, answer.redis_now);
-            } else {
-                self.clock.observe(sent, answer.redis_now);
-                return Err(BackendError::Timeout);
+            Err(_) => {
+                self.pool.timed_out();
+                Err(BackendError::Timeout)
             }
         }
-        Err(BackendError::Timeout)
     }
 
     /// When the caller of a call starting now stops waiting: the call timeout, or the
@@ -287,13 +297,19 @@ impl RedisBackend {
             Charging::PerDescriptor => Mode::Each,
             Charging::Nothing => Mode::Check,
         };
-        let mut call = Call::new(mode, &nonce, shared.key_layout, at);
+        let mut part = Part::new(mode, &nonce);
         for (key, hit) in keys.into_iter().zip(hits) {
-            call.push(key, hit, hit.hits, script::role_letter(hit.role));
+            part.push(
+                key,
+                hit,
+                hit.hits,
+                script::role_letter(hit.role),
+                shared.key_layout,
+            );
         }
-        let replies = shared
-            .run(&mut call, shared.call_timeout, Some(deadline))
-            .await?;
+        let slot = shared.slot(&part);
+        let replies =
+            coalesce::call(shared, slot, part, at, Some(deadline), shared.call_timeout).await?;
         Ok(replies.into_iter().map(|r| r.outcome).collect())
     }
 }
@@ -308,18 +324,11 @@ impl Backend for RedisBackend {
     }
 
     async fn ready(&self) -> bool {
-        let shared = &self.shared;
-        let ping = ::redis::cmd("PING");
-        match tokio::time::timeout(shared.call_timeout, shared.pool.query::<String>(&ping)).await {
-            Ok(Ok(_)) => true,
-            Ok(Err(err)) => {
-                shared.pool.trouble(&err);
-                false
-            }
-            Err(_) => {
-                shared.pool.timed_out();
-                false
-            }
-        }
+        let shared = Arc::clone(&self.shared);
+        let ping = on_io(async move {
+            let ping = ::redis::cmd("PING");
+            shared.bounded(shared.pool.query::<String>(&ping)).await
+        });
+        ping.await.is_ok()
     }
 }

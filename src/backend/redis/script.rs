@@ -32,6 +32,7 @@ pub fn batch_source() -> &'static str {
 }
 
 /// A script of another module (RLQS shares), with its SHA-1 for EVALSHA.
+#[derive(Clone)]
 pub struct Lua {
     source: &'static str,
     sha1: String,
@@ -103,42 +104,35 @@ pub(super) fn nonce() -> String {
     (0..10).map(|_| fastrand::alphanumeric()).collect()
 }
 
-/// The KEYS and ARGV of one script call.
-pub(super) struct Call {
-    keys: Vec<String>,
-    args: Vec<String>,
-    layout: KeyLayout,
+/// One request's share of a script call: its mode, nonce and hits (see `lua/batch.lua`).
+pub(super) struct Part {
     mode: Mode,
-    /// The time to decide at instead of Redis TIME (differential tests only; see
-    /// `RedisBackend::evaluate_at`).
-    at: Option<Micros>,
+    nonce: String,
+    keys: Vec<String>,
+    /// 7 values per hit.
+    args: Vec<String>,
 }
 
-/// Where the deadline goes in ARGV.
-const DEADLINE_ARG: usize = 2;
-
-impl Call {
-    /// A call without a deadline (see [`Call::set_deadline`]); `at` is the time to decide at
-    /// instead of Redis TIME (differential tests only; see `RedisBackend::evaluate_at`).
-    pub(super) fn new(mode: Mode, nonce: &str, layout: KeyLayout, at: Option<Micros>) -> Call {
-        Call {
-            keys: Vec::new(),
-            args: vec![mode.name().into(), nonce.into(), "0".into()],
-            layout,
+impl Part {
+    pub(super) fn new(mode: Mode, nonce: &str) -> Part {
+        Part {
             mode,
-            at,
+            nonce: nonce.into(),
+            keys: Vec::new(),
+            args: Vec::new(),
         }
-    }
-
-    /// Past `deadline` (microseconds on Redis' clock; 0: none) the script decides nothing and
-    /// charges nothing.
-    pub(super) fn set_deadline(&mut self, deadline: i64) {
-        self.args[DEADLINE_ARG] = deadline.to_string();
     }
 
     /// Add one hit costing `hits`; `last` is the role letter, or in a refund the stamp the
     /// charge replied.
-    pub(super) fn push(&mut self, key: String, hit: &Hit, hits: u64, last: String) {
+    pub(super) fn push(
+        &mut self,
+        key: String,
+        hit: &Hit,
+        hits: u64,
+        last: String,
+        layout: KeyLayout,
+    ) {
         let limit = &hit.limit;
         let lease = match &hit.lease {
             Some((LeaseOp::Acquire, id)) => format!("+{id}"),
@@ -147,7 +141,7 @@ impl Call {
         };
         self.keys.push(key);
         self.args.extend([
-            self.layout.script_algorithm(limit).into(),
+            layout.script_algorithm(limit).into(),
             limit.requests_per_unit.to_string(),
             limit.window.to_string(),
             limit.burst.to_string(),
@@ -157,16 +151,47 @@ impl Call {
         ]);
     }
 
+    /// How many hits it carries.
     pub(super) fn len(&self) -> usize {
         self.keys.len()
     }
 
+    /// The key its call is routed by (on a Cluster, every key of a part shares its slot).
+    pub(super) fn first_key(&self) -> Option<&str> {
+        self.keys.first().map(String::as_str)
+    }
+}
+
+/// One script call: the parts of the requests it decides, each with its deadline
+/// (microseconds on Redis' clock; 0: none; past it the script decides nothing of that request
+/// and charges nothing).
+pub(super) struct Call<'a> {
+    parts: Vec<(&'a Part, i64)>,
+    /// The time to decide at instead of Redis TIME (differential tests only; see
+    /// `RedisBackend::evaluate_at`).
+    at: Option<Micros>,
+}
+
+impl<'a> Call<'a> {
+    pub(super) fn new(parts: Vec<(&'a Part, i64)>, at: Option<Micros>) -> Call<'a> {
+        Call { parts, at }
+    }
+
     fn command(&self, verb: &str, script: &str) -> Cmd {
         let mut cmd = ::redis::cmd(verb);
-        cmd.arg(script)
-            .arg(self.keys.len())
-            .arg(&self.keys)
-            .arg(&self.args);
+        let keys: usize = self.parts.iter().map(|(part, _)| part.len()).sum();
+        cmd.arg(script).arg(keys);
+        for (part, _) in &self.parts {
+            cmd.arg(&part.keys);
+        }
+        cmd.arg(self.parts.len());
+        for (part, deadline) in &self.parts {
+            cmd.arg(part.mode.name())
+                .arg(&part.nonce)
+                .arg(*deadline)
+                .arg(part.len())
+                .arg(&part.args);
+        }
         if let Some(at) = self.at {
             cmd.arg(at);
         }
@@ -175,7 +200,7 @@ impl Call {
 }
 
 /// Run a call: by hash, and by text if the server lost the script.
-pub(super) async fn run(pool: &Pool, call: &Call) -> RedisResult<Vec<i64>> {
+pub(super) async fn run(pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<i64>> {
     let batch = &*BATCH;
     match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -195,33 +220,45 @@ pub(super) struct Reply {
 pub(super) struct Answer {
     /// The script's time on Redis' clock, in microseconds.
     pub(super) redis_now: i64,
-    /// One reply per hit; none for a refund, or for a decision that started past its deadline.
-    pub(super) replies: Option<Vec<Reply>>,
+    /// Per part, in order: one reply per hit (none for a refund), or None for a decision that
+    /// started past its deadline.
+    pub(super) replies: Vec<Option<Vec<Reply>>>,
 }
 
-/// Decode the 4 integers per hit the script replies, and the time that ends them.
-pub(super) fn decode(mut raw: Vec<i64>, call: &Call) -> Result<Answer, BackendError> {
-    let redis_now = raw.pop();
-    let expected = if call.mode == Mode::Refund {
-        0
-    } else {
-        call.len() * 4
+/// Decode the script's reply to `call`: per part a status, then 4 integers per hit when
+/// decided; then the time that ends them.
+pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendError> {
+    let malformed = || {
+        BackendError::Unavailable(format!(
+            "the Redis script replied {} values for {} requests",
+            raw.len(),
+            call.parts.len()
+        ))
     };
-    let (Some(redis_now), true) = (redis_now, raw.is_empty() || raw.len() == expected) else {
-        return Err(BackendError::Unavailable(format!(
-            "the Redis script replied {} values for {} hits",
-            raw.len() + usize::from(redis_now.is_some()),
-            call.len()
-        )));
-    };
-    let late = expected > 0 && raw.is_empty();
-    Ok(Answer {
-        redis_now,
-        replies: (!late).then(|| replies(&raw)),
-    })
+    let (&redis_now, mut rest) = raw.split_last().ok_or_else(malformed)?;
+    let mut replies = Vec::with_capacity(call.parts.len());
+    for (part, _) in &call.parts {
+        let (&status, after) = rest.split_first().ok_or_else(malformed)?;
+        rest = after;
+        let values = if status == 1 && part.mode != Mode::Refund {
+            part.len() * 4
+        } else {
+            0
+        };
+        if rest.len() < values {
+            return Err(malformed());
+        }
+        let (hits, after) = rest.split_at(values);
+        rest = after;
+        replies.push((status == 1).then(|| decode_hits(hits)));
+    }
+    if !rest.is_empty() {
+        return Err(malformed());
+    }
+    Ok(Answer { redis_now, replies })
 }
 
-fn replies(raw: &[i64]) -> Vec<Reply> {
+fn decode_hits(raw: &[i64]) -> Vec<Reply> {
     raw.chunks_exact(4)
         .map(|r| Reply {
             outcome: Outcome {

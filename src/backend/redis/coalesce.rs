@@ -1,0 +1,319 @@
+//! Requests that arrive together share script calls, and calls are timed by Redis alone.
+//!
+//! Redis runs scripts one at a time, and the fixed cost of a call (reading the command,
+//! finding the script, entering Lua, the reply; on this side a write, a read and a task)
+//! dwarfs one decision's: a call that decides many requests costs Redis a fraction of that
+//! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
+//! share a slot) has at most `connections` calls in flight; requests that arrive meanwhile
+//! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
+//! idle lane sends at once: nobody waits for others to arrive. A batch of 1 sends every
+//! request at once in a call of its own, as many in flight as there are requests.
+//!
+//! Calls run on a runtime of their own (one thread, `io`) that also drives the connections,
+//! so a reply is read, and a call timed, when Redis answers, however far behind the threads
+//! serving gRPC are. A call is timed from when it is written: [`BackendError::Timeout`] when
+//! Redis has not answered within the call timeout of that. A caller whose wait ran out while
+//! its request was still queued here gets [`BackendError::Late`] instead: the policy's
+//! answer, but no evidence against Redis (once written, the caller waits for the I/O
+//! runtime's verdict). So does a call that timed out while the I/O runtime itself was kept
+//! from running (a machine short of CPU: Redis' answer may have waited for us). A queued
+//! request whose deadline passed, or whose caller left, is never sent: it could only charge
+//! for nothing.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use ::redis::cluster_routing::Slot;
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::oneshot;
+
+use super::script::{self, Call, Part, Reply};
+use super::{Shared, backend_error};
+use crate::algorithm::Micros;
+use crate::backend::lag::Lag;
+use crate::deadline::Deadline;
+use crate::decision::BackendError;
+
+/// Most hits one call carries: a request with more goes alone.
+const MAX_CALL_HITS: usize = 256;
+/// Most requests, and hits, queued in one lane; past them a request fails at once
+/// ([`BackendError::Overloaded`]): a lane that far behind could not answer it in time.
+const MAX_QUEUED: usize = 4_096;
+const MAX_QUEUED_HITS: usize = 65_536;
+/// How long past its own bound a caller waits for a written call's answer, which the I/O
+/// runtime gives by then unless it is itself stuck.
+const GRACE: Duration = Duration::from_millis(5);
+
+/// The runtime that drives Redis connections and calls: one thread, shared by every backend
+/// of the process, never dropped.
+pub(super) fn io() -> &'static Handle {
+    static IO: LazyLock<Runtime> = LazyLock::new(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("turnstile-redis")
+            .enable_all()
+            .build()
+            .expect("cannot start the Redis I/O runtime")
+    });
+    IO.handle()
+}
+
+/// Every lane of a backend, and how they are bounded.
+pub(super) struct Lanes {
+    /// Requests per call at most (1: no coalescing).
+    batch: usize,
+    /// Calls in flight per lane at most.
+    in_flight: usize,
+    single: Arc<Lane>,
+    /// Made on first use; a Cluster has at most 16 384 slots.
+    slots: Mutex<HashMap<Slot, Arc<Lane>>>,
+    /// How late the I/O runtime runs.
+    lag: Lag,
+}
+
+impl Lanes {
+    pub(super) fn new(batch: usize, connections: usize) -> Lanes {
+        let batch = batch.max(1);
+        Lanes {
+            batch,
+            // Without coalescing every request is its own call, sent at once.
+            in_flight: if batch == 1 {
+                usize::MAX
+            } else {
+                connections.max(1)
+            },
+            single: Arc::default(),
+            slots: Mutex::default(),
+            lag: {
+                let _io = io().enter();
+                Lag::start()
+            },
+        }
+    }
+
+    fn lane(&self, slot: Option<Slot>) -> Arc<Lane> {
+        match slot {
+            None => Arc::clone(&self.single),
+            Some(slot) => Arc::clone(lock(&self.slots).entry(slot).or_default()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Lane {
+    queue: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Request>,
+    /// Hits of the waiting requests.
+    hits: usize,
+    in_flight: usize,
+}
+
+/// A request on its way: queued, then in a call.
+struct Request {
+    part: Part,
+    at: Option<Micros>,
+    /// When its caller stops waiting (none for a refund: it must apply).
+    deadline: Option<Instant>,
+    /// Bound on the call it goes in, from when that call is written.
+    bound: Duration,
+    /// When its call was written.
+    written: Arc<Mutex<Option<Instant>>>,
+    answer: oneshot::Sender<Result<Vec<Reply>, BackendError>>,
+    /// Sent again once already, after Redis' clock turned out ahead of the estimate.
+    retried: bool,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Decide `part` in the lane of `slot` (None: the one server). `deadline` is when the caller
+/// stops waiting; `bound` bounds the call from when it is written.
+pub(super) async fn call(
+    shared: &Arc<Shared>,
+    slot: Option<Slot>,
+    part: Part,
+    at: Option<Micros>,
+    deadline: Option<Deadline>,
+    bound: Duration,
+) -> Result<Vec<Reply>, BackendError> {
+    let deadline = deadline.map(Deadline::instant);
+    let lanes = &shared.lanes;
+    let lane = lanes.lane(slot);
+    let until = deadline.map_or(Instant::now() + bound, |d| d.min(Instant::now() + bound));
+    let (answer, mut reply) = oneshot::channel();
+    let written = Arc::new(Mutex::new(None));
+    let hits = part.len();
+    let request = Request {
+        part,
+        at,
+        deadline,
+        bound,
+        written: Arc::clone(&written),
+        answer,
+        retried: false,
+    };
+    let batch = {
+        let mut queue = lock(&lane.queue);
+        if queue.waiting.len() >= MAX_QUEUED || queue.hits + hits > MAX_QUEUED_HITS {
+            return Err(BackendError::Overloaded);
+        }
+        queue.waiting.push_back(request);
+        queue.hits += hits;
+        (queue.in_flight < lanes.in_flight).then(|| {
+            queue.in_flight += 1;
+            take(&mut queue, lanes.batch)
+        })
+    };
+    if let Some(batch) = batch {
+        io().spawn(drive(Arc::clone(shared), lane, batch));
+    }
+    let lost = || Err(BackendError::Unavailable("a Redis call was lost".into()));
+    if let Ok(answer) = tokio::time::timeout_at(until.into(), &mut reply).await {
+        return answer.unwrap_or_else(|_| lost());
+    }
+    // Not yet written: the time went in the queue. Dropping `reply` takes it off.
+    let Some(sent) = *lock(&written) else {
+        return Err(BackendError::Late);
+    };
+    match tokio::time::timeout_at((sent + bound + GRACE).into(), &mut reply).await {
+        Ok(answer) => answer.unwrap_or_else(|_| lost()),
+        // The I/O runtime did not time its own call: it could not run.
+        Err(_) => Err(BackendError::Late),
+    }
+}
+
+/// The next call's requests: up to `batch` of them and `MAX_CALL_HITS` hits (at least one
+/// request), all deciding at the same time.
+fn take(queue: &mut Queue, batch: usize) -> Vec<Request> {
+    let mut taken: Vec<Request> = Vec::new();
+    let mut hits = 0;
+    while let Some(next) = queue.waiting.front() {
+        if let Some(first) = taken.first() {
+            let full = taken.len() >= batch || hits + next.part.len() > MAX_CALL_HITS;
+            if full || next.at != first.at {
+                break;
+            }
+        }
+        let Some(next) = queue.waiting.pop_front() else {
+            break;
+        };
+        hits += next.part.len();
+        queue.hits -= next.part.len();
+        taken.push(next);
+    }
+    taken
+}
+
+/// One of a lane's call slots: send `batch`, then whatever queued meanwhile, until the queue
+/// is empty.
+async fn drive(shared: Arc<Shared>, lane: Arc<Lane>, mut batch: Vec<Request>) {
+    loop {
+        let again = send(&shared, batch).await;
+        let mut queue = lock(&lane.queue);
+        for request in again.into_iter().rev() {
+            queue.hits += request.part.len();
+            queue.waiting.push_front(request);
+        }
+        if queue.waiting.is_empty() {
+            queue.in_flight -= 1;
+            return;
+        }
+        batch = take(&mut queue, shared.lanes.batch);
+    }
+}
+
+/// Send one call and answer its requests; returns those to send again.
+async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
+    let now = Instant::now();
+    let mut live = Vec::with_capacity(batch.len());
+    for request in batch {
+        if request.answer.is_closed() {
+            continue;
+        }
+        if request.deadline.is_some_and(|d| d <= now) {
+            let _ = request.answer.send(Err(BackendError::Late));
+            continue;
+        }
+        live.push(request);
+    }
+    let Some(first) = live.first() else {
+        return Vec::new();
+    };
+    let deadline = |r: &Request| r.deadline.and_then(|d| shared.clock.redis_time(d));
+    let call = Call::new(
+        live.iter()
+            .map(|r| (&r.part, deadline(r).unwrap_or(0)))
+            .collect(),
+        first.at,
+    );
+    let bound = live.iter().map(|r| r.bound).max().unwrap_or_default();
+    let sent = Instant::now();
+    for request in &live {
+        *lock(&request.written) = Some(sent);
+    }
+    let answer = match tokio::time::timeout(bound, script::run(&shared.pool, &call)).await {
+        Ok(Ok(raw)) => script::decode(&raw, &call),
+        Ok(Err(err)) => {
+            shared.pool.trouble(&err);
+            Err(backend_error(&err))
+        }
+        Err(_) if shared.lanes.lag.explains(bound) => Err(BackendError::Late),
+        Err(_) => {
+            shared.pool.timed_out();
+            Err(BackendError::Timeout)
+        }
+    };
+    drop(call);
+    let answer = match answer {
+        Ok(answer) => answer,
+        // A call that timed out is one piece of evidence against Redis, however many requests
+        // it carried: the first says so, the others are late (as if they had queued
+        // instead), lest one slow call count as many failures for the breaker.
+        Err(BackendError::Timeout) => {
+            for (n, request) in live.into_iter().enumerate() {
+                let err = if n == 0 {
+                    BackendError::Timeout
+                } else {
+                    BackendError::Late
+                };
+                let _ = request.answer.send(Err(err));
+            }
+            return Vec::new();
+        }
+        Err(err) => {
+            for request in live {
+                let _ = request.answer.send(Err(err.clone()));
+            }
+            return Vec::new();
+        }
+    };
+    let mut again = Vec::new();
+    for (mut request, replies) in live.into_iter().zip(answer.replies) {
+        match replies {
+            Some(replies) => {
+                let _ = request.answer.send(Ok(replies));
+            }
+            // Judged late by the script while its caller still waits: Redis' clock is ahead
+            // of the estimate, which restarts from this reply; the request goes once more.
+            None if !request.retried && request.deadline.is_some_and(|d| Instant::now() < d) => {
+                request.retried = true;
+                again.push(request);
+            }
+            None => {
+                let _ = request.answer.send(Err(BackendError::Late));
+            }
+        }
+    }
+    if again.is_empty() {
+        shared.clock.observe(sent, answer.redis_now);
+    } else {
+        shared.clock.restart(sent, answer.redis_now);
+    }
+    again
+}
