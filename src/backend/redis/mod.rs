@@ -27,8 +27,8 @@ use crate::algorithm::Micros;
 use clock::Clock;
 use connect::Pool;
 pub use layout::KeyLayout;
-pub use script::{Lua, batch_source};
 use script::{Call, Mode, Reply};
+pub use script::{Lua, batch_source};
 
 /// How the configured URLs reach the master(s) that hold the state.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
