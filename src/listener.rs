@@ -9,6 +9,9 @@
 //! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
 //! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
 //! peer that stopped reading) closes the connection.
+//!
+//! A gRPC connection's writes are coalesced: the first write of a burst yields once, so the
+//! answers finished in the same scheduler tick leave in one write instead of one each.
 
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -125,6 +128,8 @@ async fn accept(listener: TcpListener, port: Arc<Port>, ready: mpsc::Sender<Conn
                         local,
                         remote,
                         stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
+                        coalesce: port.handshake.multiplexed(),
+                        yielded: false,
                         _slot: slot,
                     };
                     let _ = ready.send(conn).await;
@@ -149,6 +154,12 @@ fn is_peer_error(error: &io::Error) -> bool {
 }
 
 impl Handshake {
+    /// Whether the connection carries many calls at once (HTTP/2), whose answers can share
+    /// a write.
+    fn multiplexed(&self) -> bool {
+        matches!(self, Handshake::Http2 { .. })
+    }
+
     /// The connection ready to serve, and the bytes it already read that the server must see.
     async fn run(&self, stream: TcpStream) -> io::Result<(Box<dyn Io>, &'static [u8])> {
         let _ = stream.set_nodelay(true);
@@ -216,6 +227,10 @@ pub struct Conn {
     local: Option<SocketAddr>,
     remote: SocketAddr,
     stall: Option<Stall>,
+    /// Yield before the first write of each burst (see `yield_first_write`).
+    coalesce: bool,
+    /// This burst has yielded; the next flush ends the burst.
+    yielded: bool,
     _slot: Slot,
 }
 
@@ -226,6 +241,18 @@ struct Stall {
 }
 
 impl Conn {
+    /// True, with the task woken again at once, on the first write of a burst: the HTTP/2
+    /// codec writes as soon as one answer is ready, and polled again after the other ready
+    /// tasks have run it has buffered the answers they finished, all sent in one syscall.
+    fn yield_first_write(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.coalesce || self.yielded {
+            return false;
+        }
+        self.yielded = true;
+        cx.waker().wake_by_ref();
+        true
+    }
+
     /// `poll`, a write's outcome, turned into an error once writes have been pending for
     /// longer than the stall limit.
     fn bound_stall<T>(
@@ -287,6 +314,9 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.yield_first_write(cx) {
+            return Poll::Pending;
+        }
         let poll = Pin::new(&mut *self.io).poll_write(cx, buf);
         self.bound_stall(cx, poll)
     }
@@ -296,6 +326,9 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if self.yield_first_write(cx) {
+            return Poll::Pending;
+        }
         let poll = Pin::new(&mut *self.io).poll_write_vectored(cx, bufs);
         self.bound_stall(cx, poll)
     }
@@ -306,6 +339,9 @@ impl AsyncWrite for Conn {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut *self.io).poll_flush(cx);
+        if poll.is_ready() {
+            self.yielded = false;
+        }
         self.bound_stall(cx, poll)
     }
 
@@ -367,6 +403,148 @@ pub fn fit_caps(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    /// A socket that takes every write whole and counts the calls that reach it.
+    #[derive(Default)]
+    struct Socket {
+        written: Arc<Mutex<Vec<u8>>>,
+        writes: Arc<AtomicUsize>,
+    }
+
+    impl AsyncRead for Socket {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Socket {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            self.written.lock().unwrap().extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            let mut written = self.written.lock().unwrap();
+            bufs.iter().for_each(|b| written.extend_from_slice(b));
+            Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// As the HTTP/2 codec writes: each poll first encodes every answer queued since, then
+    /// writes its buffer and flushes.
+    fn poll_codec(
+        conn: &mut Conn,
+        queued: &mut Vec<&[u8]>,
+        buffer: &mut Vec<u8>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        queued.drain(..).for_each(|a| buffer.extend_from_slice(a));
+        while !buffer.is_empty() {
+            let n = std::task::ready!(
+                Pin::new(&mut *conn).poll_write_vectored(cx, &[IoSlice::new(buffer)])
+            )?;
+            buffer.drain(..n);
+        }
+        Pin::new(&mut *conn).poll_flush(cx)
+    }
+
+    fn serving(handshake: &Handshake, socket: Socket) -> Conn {
+        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        Conn {
+            io: Box::new(socket),
+            replay: &[],
+            local: None,
+            remote: SocketAddr::from(([127, 0, 0, 1], 1)),
+            stall: None,
+            coalesce: handshake.multiplexed(),
+            yielded: false,
+            _slot: Slot::new(permit, Gauge::noop()),
+        }
+    }
+
+    #[test]
+    fn answers_finished_in_one_tick_leave_in_one_write() {
+        let http2 = Handshake::Http2 {
+            tls: None,
+            timeout: Duration::from_secs(1),
+        };
+        let socket = Socket::default();
+        let (written, writes) = (socket.written.clone(), socket.writes.clone());
+        let mut conn = serving(&http2, socket);
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let (mut queued, mut buffer) = (Vec::new(), Vec::new());
+
+        // The first answer wakes the codec; its write yields, the task woken to run again.
+        queued.push(&b"one;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_pending());
+        assert_eq!(
+            (
+                writes.load(Ordering::Relaxed),
+                wakes.0.load(Ordering::Relaxed)
+            ),
+            (0, 1)
+        );
+        // Meanwhile the other tasks of the tick finish three more.
+        queued.extend([&b"two;"[..], b"three;", b"four;"]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 1, "four answers, one write");
+        assert_eq!(&written.lock().unwrap()[..], b"one;two;three;four;");
+
+        // The flush ended the burst: the next one yields again, once.
+        queued.push(&b"five;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_pending());
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 2);
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+
+        // HTTP/1 answers one request at a time: nothing to wait for, written at once.
+        let socket = Socket::default();
+        let writes = socket.writes.clone();
+        let mut conn = serving(&Handshake::Http1, socket);
+        queued.push(&b"one;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 1);
+    }
 
     #[test]
     fn caps_fit_the_open_files_limit() {
