@@ -11,7 +11,8 @@
 //! peer that stopped reading) closes the connection.
 //!
 //! A gRPC connection's writes are coalesced: the first write of a burst yields once, so the
-//! answers finished in the same scheduler tick leave in one write instead of one each.
+//! answers finished in the same scheduler tick leave in one write instead of one each
+//! (unless such yields keep gathering nothing, as for a client with one call at a time).
 
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -38,6 +39,9 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Connections past their handshake that wait for the server to take them.
 const READY_QUEUE: usize = 64;
+/// Most bursts a connection writes at once after yields that gathered nothing (see
+/// `Coalesce`).
+const MAX_SKIPPED_YIELDS: u8 = 32;
 /// Open files kept for all but client connections: listeners, Redis, statsd, rule files,
 /// the runtime's own (about 16 with the memory backend).
 const RESERVED_FILES: usize = 32;
@@ -128,8 +132,7 @@ async fn accept(listener: TcpListener, port: Arc<Port>, ready: mpsc::Sender<Conn
                         local,
                         remote,
                         stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
-                        coalesce: port.handshake.multiplexed(),
-                        yielded: false,
+                        coalesce: port.handshake.multiplexed().then(Coalesce::default),
                         _slot: slot,
                     };
                     let _ = ready.send(conn).await;
@@ -227,11 +230,71 @@ pub struct Conn {
     local: Option<SocketAddr>,
     remote: SocketAddr,
     stall: Option<Stall>,
-    /// Yield before the first write of each burst (see `yield_first_write`).
-    coalesce: bool,
-    /// This burst has yielded; the next flush ends the burst.
-    yielded: bool,
+    /// On multiplexed connections.
+    coalesce: Option<Coalesce>,
     _slot: Slot,
+}
+
+/// Writes of a multiplexed connection gathered into fewer syscalls. The HTTP/2 codec writes
+/// as soon as one answer is ready; when the burst's first write yields once (the task woken
+/// at once), the codec, polled again after the other ready tasks have run, has buffered the
+/// answers they finished too, and one write sends them all. A yield costs a task switch,
+/// often a wake-up of an idle worker: after one that gathered nothing, the next bursts are
+/// written at once, 1, 2, 4 ... up to `MAX_SKIPPED_YIELDS` of them, until a yield pays again.
+struct Coalesce {
+    burst: Burst,
+    /// Bursts still to write without yielding.
+    skip: u8,
+    /// How many to skip after the next yield that gathers nothing.
+    penalty: u8,
+}
+
+impl Default for Coalesce {
+    fn default() -> Coalesce {
+        Coalesce {
+            burst: Burst::Idle,
+            skip: 0,
+            penalty: 1,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Burst {
+    /// Nothing written since the last flush.
+    Idle,
+    /// The burst's first write yielded, with this many bytes to write.
+    Yielded(usize),
+    /// Writes go through until the next flush.
+    Writing,
+}
+
+impl Coalesce {
+    /// Before a write of `len` bytes: pending once at the start of a burst.
+    fn before_write(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
+        match self.burst {
+            Burst::Writing => {}
+            Burst::Idle if self.skip > 0 => {
+                self.skip -= 1;
+                self.burst = Burst::Writing;
+            }
+            Burst::Idle => {
+                self.burst = Burst::Yielded(len);
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Burst::Yielded(before) => {
+                if len > before {
+                    self.penalty = 1;
+                } else {
+                    self.skip = self.penalty;
+                    self.penalty = (self.penalty * 2).min(MAX_SKIPPED_YIELDS);
+                }
+                self.burst = Burst::Writing;
+            }
+        }
+        Poll::Ready(())
+    }
 }
 
 /// How long writes may make no progress, and since when they have not.
@@ -241,16 +304,11 @@ struct Stall {
 }
 
 impl Conn {
-    /// True, with the task woken again at once, on the first write of a burst: the HTTP/2
-    /// codec writes as soon as one answer is ready, and polled again after the other ready
-    /// tasks have run it has buffered the answers they finished, all sent in one syscall.
-    fn yield_first_write(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.coalesce || self.yielded {
-            return false;
+    fn before_write(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
+        match &mut self.coalesce {
+            Some(coalesce) => coalesce.before_write(cx, len),
+            None => Poll::Ready(()),
         }
-        self.yielded = true;
-        cx.waker().wake_by_ref();
-        true
     }
 
     /// `poll`, a write's outcome, turned into an error once writes have been pending for
@@ -314,9 +372,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.yield_first_write(cx) {
-            return Poll::Pending;
-        }
+        std::task::ready!(self.before_write(cx, buf.len()));
         let poll = Pin::new(&mut *self.io).poll_write(cx, buf);
         self.bound_stall(cx, poll)
     }
@@ -326,9 +382,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        if self.yield_first_write(cx) {
-            return Poll::Pending;
-        }
+        let len = bufs.iter().map(|b| b.len()).sum();
+        std::task::ready!(self.before_write(cx, len));
         let poll = Pin::new(&mut *self.io).poll_write_vectored(cx, bufs);
         self.bound_stall(cx, poll)
     }
@@ -339,8 +394,8 @@ impl AsyncWrite for Conn {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut *self.io).poll_flush(cx);
-        if poll.is_ready() {
-            self.yielded = false;
+        if let (Poll::Ready(_), Some(coalesce)) = (&poll, &mut self.coalesce) {
+            coalesce.burst = Burst::Idle;
         }
         self.bound_stall(cx, poll)
     }
@@ -494,8 +549,7 @@ mod tests {
             local: None,
             remote: SocketAddr::from(([127, 0, 0, 1], 1)),
             stall: None,
-            coalesce: handshake.multiplexed(),
-            yielded: false,
+            coalesce: handshake.multiplexed().then(Coalesce::default),
             _slot: Slot::new(permit, Gauge::noop()),
         }
     }
@@ -530,12 +584,47 @@ mod tests {
         assert_eq!(writes.load(Ordering::Relaxed), 1, "four answers, one write");
         assert_eq!(&written.lock().unwrap()[..], b"one;two;three;four;");
 
-        // The flush ended the burst: the next one yields again, once.
+        // The flush ended the burst: the next one yields again, once, and gathers nothing.
         queued.push(&b"five;"[..]);
         assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_pending());
         assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
         assert_eq!(writes.load(Ordering::Relaxed), 2);
         assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+
+        // Answers that keep coming alone (one call at a time): after each yield that gathered
+        // nothing, twice as many bursts are written at once, up to the cap; a yield that
+        // gathers something yields on every burst again.
+        let mut bursts_yielding = |conn: &mut Conn, bursts: usize, gather: bool| {
+            let mut yielded = Vec::new();
+            for _ in 0..bursts {
+                queued.push(&b"alone;"[..]);
+                let pending = poll_codec(conn, &mut queued, &mut buffer, &mut cx).is_pending();
+                if pending {
+                    if gather {
+                        queued.push(&b"more;"[..]);
+                    }
+                    assert!(poll_codec(conn, &mut queued, &mut buffer, &mut cx).is_ready());
+                }
+                yielded.push(pending);
+            }
+            yielded
+        };
+        let (y, n) = (true, false);
+        assert_eq!(
+            bursts_yielding(&mut conn, 11, false),
+            [n, y, n, n, y, n, n, n, n, y, n]
+        );
+        let skipped: Vec<bool> = bursts_yielding(&mut conn, 200, false);
+        let gaps: Vec<usize> = skipped
+            .split(|yielded| *yielded)
+            .map(<[bool]>::len)
+            .collect();
+        assert_eq!(gaps, [7, 16, 32, 32, 32, 32, 32, 10]);
+        let still_skipped = usize::from(MAX_SKIPPED_YIELDS) - 10;
+        assert_eq!(
+            bursts_yielding(&mut conn, still_skipped + 4, true),
+            [vec![n; still_skipped], vec![y; 4]].concat()
+        );
 
         // HTTP/1 answers one request at a time: nothing to wait for, written at once.
         let socket = Socket::default();
