@@ -241,6 +241,17 @@ pub enum HeadersArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MetadataArg {
+    /// Answers where a limit said no (OVER_LIMIT, or let through by shadow mode).
+    Refusals,
+    /// Every answer (`true`, the setting's old boolean, means this).
+    #[value(alias = "true")]
+    All,
+    #[value(alias = "false")]
+    Off,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
     Json,
@@ -469,9 +480,15 @@ pub struct ServeArgs {
     pub limit_remaining_header: String,
     #[arg(long, env = "LIMIT_RESET_HEADER", default_value = "RateLimit-Reset")]
     pub limit_reset_header: String,
-    /// Attach dynamic_metadata naming the deciding rule, its algorithm and the outcome.
-    #[arg(long, env = "TURNSTILE_RESPONSE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
-    pub response_metadata: bool,
+    /// Which answers carry dynamic_metadata naming the deciding rule, its algorithm and the
+    /// outcome.
+    #[arg(
+        long,
+        env = "TURNSTILE_RESPONSE_METADATA",
+        value_enum,
+        default_value = "refusals"
+    )]
+    pub response_metadata: MetadataArg,
     /// The reference's dynamic metadata instead: the request echoed and the `metadata` of the
     /// rules that passed (plus the deciding rule's name, algorithm and outcome).
     #[arg(long, env = "RESPONSE_DYNAMIC_METADATA")]

@@ -23,14 +23,19 @@ const ESCAPES: [(char, &str); 5] = [
     ('%', "%25"),
 ];
 
-/// Append `text` with the key's separators (and braces) percent-encoded.
+/// Append `text` with the key's separators (and braces) percent-encoded. The runs between
+/// them are copied whole (every key is built anew on each call, and most values have none);
+/// the separators are ASCII, so a byte of one is never inside a longer character.
 fn push_escaped(out: &mut String, text: &str) {
-    for c in text.chars() {
-        match ESCAPES.iter().find(|(plain, _)| *plain == c) {
-            Some((_, code)) => out.push_str(code),
-            None => out.push(c),
+    let mut copied = 0;
+    for (at, byte) in text.bytes().enumerate() {
+        if let Some((_, code)) = ESCAPES.iter().find(|(plain, _)| *plain as u8 == byte) {
+            out.push_str(&text[copied..at]);
+            out.push_str(code);
+            copied = at + 1;
         }
     }
+    out.push_str(&text[copied..]);
 }
 
 /// A key's part as it was before `push_escaped`.
@@ -94,7 +99,7 @@ mod tests {
             None,
         );
         assert_eq!(braces, "d%7B|%7D=%25|token_bucket:1");
-        for text in ["a|b=c", "{x}", "100%", "%7C", "%|%"] {
+        for text in ["a|b=c", "{x}", "100%", "%7C", "%|%", "é|ü=ß", ""] {
             let mut escaped = String::new();
             push_escaped(&mut escaped, text);
             assert_eq!(unescape(&escaped), text);

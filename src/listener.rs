@@ -9,6 +9,10 @@
 //! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
 //! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
 //! peer that stopped reading) closes the connection.
+//!
+//! A gRPC connection's writes are coalesced: the first write of a burst yields once, so the
+//! answers finished in the same scheduler tick leave in one write instead of one each
+//! (unless such yields keep gathering nothing, as for a client with one call at a time).
 
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -35,6 +39,9 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Connections past their handshake that wait for the server to take them.
 const READY_QUEUE: usize = 64;
+/// Most bursts a connection writes at once after yields that gathered nothing (see
+/// `Coalesce`).
+const MAX_SKIPPED_YIELDS: u8 = 32;
 /// Open files kept for all but client connections: listeners, Redis, statsd, rule files,
 /// the runtime's own (about 16 with the memory backend).
 const RESERVED_FILES: usize = 32;
@@ -125,6 +132,7 @@ async fn accept(listener: TcpListener, port: Arc<Port>, ready: mpsc::Sender<Conn
                         local,
                         remote,
                         stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
+                        coalesce: port.handshake.multiplexed().then(Coalesce::default),
                         _slot: slot,
                     };
                     let _ = ready.send(conn).await;
@@ -149,6 +157,12 @@ fn is_peer_error(error: &io::Error) -> bool {
 }
 
 impl Handshake {
+    /// Whether the connection carries many calls at once (HTTP/2), whose answers can share
+    /// a write.
+    fn multiplexed(&self) -> bool {
+        matches!(self, Handshake::Http2 { .. })
+    }
+
     /// The connection ready to serve, and the bytes it already read that the server must see.
     async fn run(&self, stream: TcpStream) -> io::Result<(Box<dyn Io>, &'static [u8])> {
         let _ = stream.set_nodelay(true);
@@ -216,7 +230,71 @@ pub struct Conn {
     local: Option<SocketAddr>,
     remote: SocketAddr,
     stall: Option<Stall>,
+    /// On multiplexed connections.
+    coalesce: Option<Coalesce>,
     _slot: Slot,
+}
+
+/// Writes of a multiplexed connection gathered into fewer syscalls. The HTTP/2 codec writes
+/// as soon as one answer is ready; when the burst's first write yields once (the task woken
+/// at once), the codec, polled again after the other ready tasks have run, has buffered the
+/// answers they finished too, and one write sends them all. A yield costs a task switch,
+/// often a wake-up of an idle worker: after one that gathered nothing, the next bursts are
+/// written at once, 1, 2, 4 ... up to `MAX_SKIPPED_YIELDS` of them, until a yield pays again.
+struct Coalesce {
+    burst: Burst,
+    /// Bursts still to write without yielding.
+    skip: u8,
+    /// How many to skip after the next yield that gathers nothing.
+    penalty: u8,
+}
+
+impl Default for Coalesce {
+    fn default() -> Coalesce {
+        Coalesce {
+            burst: Burst::Idle,
+            skip: 0,
+            penalty: 1,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Burst {
+    /// Nothing written since the last flush.
+    Idle,
+    /// The burst's first write yielded, with this many bytes to write.
+    Yielded(usize),
+    /// Writes go through until the next flush.
+    Writing,
+}
+
+impl Coalesce {
+    /// Before a write of `len` bytes: pending once at the start of a burst.
+    fn before_write(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
+        match self.burst {
+            Burst::Writing => {}
+            Burst::Idle if self.skip > 0 => {
+                self.skip -= 1;
+                self.burst = Burst::Writing;
+            }
+            Burst::Idle => {
+                self.burst = Burst::Yielded(len);
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Burst::Yielded(before) => {
+                if len > before {
+                    self.penalty = 1;
+                } else {
+                    self.skip = self.penalty;
+                    self.penalty = (self.penalty * 2).min(MAX_SKIPPED_YIELDS);
+                }
+                self.burst = Burst::Writing;
+            }
+        }
+        Poll::Ready(())
+    }
 }
 
 /// How long writes may make no progress, and since when they have not.
@@ -226,6 +304,13 @@ struct Stall {
 }
 
 impl Conn {
+    fn before_write(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
+        match &mut self.coalesce {
+            Some(coalesce) => coalesce.before_write(cx, len),
+            None => Poll::Ready(()),
+        }
+    }
+
     /// `poll`, a write's outcome, turned into an error once writes have been pending for
     /// longer than the stall limit.
     fn bound_stall<T>(
@@ -287,6 +372,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.before_write(cx, buf.len()));
         let poll = Pin::new(&mut *self.io).poll_write(cx, buf);
         self.bound_stall(cx, poll)
     }
@@ -296,6 +382,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        let len = bufs.iter().map(|b| b.len()).sum();
+        std::task::ready!(self.before_write(cx, len));
         let poll = Pin::new(&mut *self.io).poll_write_vectored(cx, bufs);
         self.bound_stall(cx, poll)
     }
@@ -306,6 +394,9 @@ impl AsyncWrite for Conn {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut *self.io).poll_flush(cx);
+        if let (Poll::Ready(_), Some(coalesce)) = (&poll, &mut self.coalesce) {
+            coalesce.burst = Burst::Idle;
+        }
         self.bound_stall(cx, poll)
     }
 
@@ -367,6 +458,182 @@ pub fn fit_caps(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    /// A socket that takes every write whole and counts the calls that reach it.
+    #[derive(Default)]
+    struct Socket {
+        written: Arc<Mutex<Vec<u8>>>,
+        writes: Arc<AtomicUsize>,
+    }
+
+    impl AsyncRead for Socket {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Socket {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            self.written.lock().unwrap().extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            let mut written = self.written.lock().unwrap();
+            bufs.iter().for_each(|b| written.extend_from_slice(b));
+            Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// As the HTTP/2 codec writes: each poll first encodes every answer queued since, then
+    /// writes its buffer and flushes.
+    fn poll_codec(
+        conn: &mut Conn,
+        queued: &mut Vec<&[u8]>,
+        buffer: &mut Vec<u8>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        queued.drain(..).for_each(|a| buffer.extend_from_slice(a));
+        while !buffer.is_empty() {
+            let n = std::task::ready!(
+                Pin::new(&mut *conn).poll_write_vectored(cx, &[IoSlice::new(buffer)])
+            )?;
+            buffer.drain(..n);
+        }
+        Pin::new(&mut *conn).poll_flush(cx)
+    }
+
+    fn serving(handshake: &Handshake, socket: Socket) -> Conn {
+        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        Conn {
+            io: Box::new(socket),
+            replay: &[],
+            local: None,
+            remote: SocketAddr::from(([127, 0, 0, 1], 1)),
+            stall: None,
+            coalesce: handshake.multiplexed().then(Coalesce::default),
+            _slot: Slot::new(permit, Gauge::noop()),
+        }
+    }
+
+    #[test]
+    fn answers_finished_in_one_tick_leave_in_one_write() {
+        let http2 = Handshake::Http2 {
+            tls: None,
+            timeout: Duration::from_secs(1),
+        };
+        let socket = Socket::default();
+        let (written, writes) = (socket.written.clone(), socket.writes.clone());
+        let mut conn = serving(&http2, socket);
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let (mut queued, mut buffer) = (Vec::new(), Vec::new());
+
+        // The first answer wakes the codec; its write yields, the task woken to run again.
+        queued.push(&b"one;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_pending());
+        assert_eq!(
+            (
+                writes.load(Ordering::Relaxed),
+                wakes.0.load(Ordering::Relaxed)
+            ),
+            (0, 1)
+        );
+        // Meanwhile the other tasks of the tick finish three more.
+        queued.extend([&b"two;"[..], b"three;", b"four;"]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 1, "four answers, one write");
+        assert_eq!(&written.lock().unwrap()[..], b"one;two;three;four;");
+
+        // The flush ended the burst: the next one yields again, once, and gathers nothing.
+        queued.push(&b"five;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_pending());
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 2);
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+
+        // Answers that keep coming alone (one call at a time): after each yield that gathered
+        // nothing, twice as many bursts are written at once, up to the cap; a yield that
+        // gathers something yields on every burst again.
+        let mut bursts_yielding = |conn: &mut Conn, bursts: usize, gather: bool| {
+            let mut yielded = Vec::new();
+            for _ in 0..bursts {
+                queued.push(&b"alone;"[..]);
+                let pending = poll_codec(conn, &mut queued, &mut buffer, &mut cx).is_pending();
+                if pending {
+                    if gather {
+                        queued.push(&b"more;"[..]);
+                    }
+                    assert!(poll_codec(conn, &mut queued, &mut buffer, &mut cx).is_ready());
+                }
+                yielded.push(pending);
+            }
+            yielded
+        };
+        let (y, n) = (true, false);
+        assert_eq!(
+            bursts_yielding(&mut conn, 11, false),
+            [n, y, n, n, y, n, n, n, n, y, n]
+        );
+        let skipped: Vec<bool> = bursts_yielding(&mut conn, 200, false);
+        let gaps: Vec<usize> = skipped
+            .split(|yielded| *yielded)
+            .map(<[bool]>::len)
+            .collect();
+        assert_eq!(gaps, [7, 16, 32, 32, 32, 32, 32, 10]);
+        let still_skipped = usize::from(MAX_SKIPPED_YIELDS) - 10;
+        assert_eq!(
+            bursts_yielding(&mut conn, still_skipped + 4, true),
+            [vec![n; still_skipped], vec![y; 4]].concat()
+        );
+
+        // HTTP/1 answers one request at a time: nothing to wait for, written at once.
+        let socket = Socket::default();
+        let writes = socket.writes.clone();
+        let mut conn = serving(&Handshake::Http1, socket);
+        queued.push(&b"one;"[..]);
+        assert!(poll_codec(&mut conn, &mut queued, &mut buffer, &mut cx).is_ready());
+        assert_eq!(writes.load(Ordering::Relaxed), 1);
+    }
 
     #[test]
     fn caps_fit_the_open_files_limit() {

@@ -359,10 +359,17 @@ impl Metrics {
     /// Counters for a stats key `<domain>.<rest>`, created on first use.
     pub fn rule(&self, stats_key: &StatsKey<'_>) -> Arc<RuleCounters> {
         match stats_key {
-            StatsKey::Rule(key) => lock(&self.rules)
-                .entry((*key).to_owned())
-                .or_insert_with(|| self.rule_counters(key))
-                .clone(),
+            StatsKey::Rule(key) => {
+                let mut rules = lock(&self.rules);
+                // Looked up by &str first: an entry() would allocate the key on every call.
+                if let Some(found) = rules.get(*key) {
+                    return found.clone();
+                }
+                rules
+                    .entry((*key).to_owned())
+                    .or_insert_with(|| self.rule_counters(key))
+                    .clone()
+            }
             StatsKey::Request(key) => capped(
                 &mut lock(&self.requested),
                 |r| &mut r.rules,

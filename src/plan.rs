@@ -166,7 +166,10 @@ impl<'a> Plan<'a> {
             .flat_map(|rule| rule.replaces.iter().map(String::as_str))
             .collect();
 
+        // Sized up front: growing from empty reallocates on the first push of each.
         let mut plan = Plan {
+            decisions: Vec::with_capacity(request.descriptors.len()),
+            hits: Vec::with_capacity(request.descriptors.len()),
             on_backend_error: domain.on_backend_error(),
             ..Plan::default()
         };

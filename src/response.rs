@@ -47,11 +47,22 @@ impl Headers {
     }
 }
 
+/// Which answers carry `dynamic_metadata` naming the deciding rule (for Envoy's access logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetadataOn {
+    Off,
+    /// Answers where a limit said no: OVER_LIMIT, or a refusal that shadow mode let through.
+    /// Building and encoding the Struct was the largest part of an OK answer's own cost, and
+    /// an OK answer has nothing to attribute.
+    #[default]
+    Refusals,
+    All,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ResponseSettings {
     pub headers: Headers,
-    /// Attach `dynamic_metadata` naming the deciding rule (for Envoy's access logs).
-    pub metadata: bool,
+    pub metadata: MetadataOn,
     /// Attach the reference's `dynamic_metadata` instead (RESPONSE_DYNAMIC_METADATA): the
     /// request echoed, and the `metadata` of the rules that passed; the deciding rule's
     /// `rule`, `algorithm` and `outcome` are added beside it.
@@ -147,13 +158,16 @@ pub fn build(
             .flat_map(|a| a.hits().map(|i| (a.role, outcomes[i].admitted))),
     );
     let shadowed_globally = over && settings.global_shadow;
+    let attach = match settings.metadata {
+        MetadataOn::Off => false,
+        MetadataOn::Refusals => any_refusal(plan, outcomes),
+        MetadataOn::All => true,
+    };
     // The metadata keeps the exact retry time (milliseconds) that a refusal's statuses lose.
     let dynamic_metadata = if settings.reference_metadata {
         Some(reference_metadata(request, plan, &statuses, outcomes))
     } else {
-        settings
-            .metadata
-            .then(|| metadata(plan, &statuses, outcomes))
+        attach.then(|| metadata(plan, &statuses, outcomes))
     };
     let refused = over && !shadowed_globally;
     if refused {
@@ -176,6 +190,14 @@ pub fn build(
         },
         shadowed_globally,
     }
+}
+
+/// Whether any limit refused its hit, even where shadow or quota mode admits the request.
+fn any_refusal(plan: &Plan<'_>, outcomes: &[Outcome]) -> bool {
+    plan.decisions.iter().any(|d| match d {
+        Decision::Limited(a) => a.hits().any(|i| !outcomes[i].admitted),
+        _ => false,
+    })
 }
 
 /// The status the headers describe, as the reference picks it: the last enforced status

@@ -26,7 +26,8 @@ use crate::backend::memory::MemoryBackend;
 use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::stack::{self, StackConfig};
 use crate::cli::{
-    BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, PolicyArg, RedisType, ServeArgs,
+    BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, MetadataArg, PolicyArg,
+    RedisType, ServeArgs,
 };
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
@@ -37,7 +38,7 @@ use crate::listener::{self, Handshake, Port};
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::request::Bounds;
-use crate::response::{Headers, ResponseSettings};
+use crate::response::{Headers, MetadataOn, ResponseSettings};
 use crate::rlqs::{self, MemoryShares, ShareStore};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
@@ -72,7 +73,11 @@ fn settings(args: &ServeArgs) -> Settings {
         },
         response: ResponseSettings {
             headers,
-            metadata: args.response_metadata,
+            metadata: match args.response_metadata {
+                MetadataArg::Refusals => MetadataOn::Refusals,
+                MetadataArg::All => MetadataOn::All,
+                MetadataArg::Off => MetadataOn::Off,
+            },
             reference_metadata: args.response_dynamic_metadata,
             global_shadow: args.shadow_mode,
         },

@@ -877,6 +877,51 @@ async fn the_deciding_rule_is_named_in_metadata_and_its_yaml_name_in_the_status(
 }
 
 #[tokio::test]
+async fn dynamic_metadata_goes_on_the_answers_the_setting_names() {
+    // Per answer: an OK, an OVER_LIMIT, and a refusal that the rule's shadow mode answers OK.
+    let narrow = || request("test", vec![descriptor(&[("narrow", "n")])]);
+    let shadow = || request("test", vec![descriptor(&[("shadow", "s")])]);
+    // (--response-metadata, TURNSTILE_RESPONSE_METADATA) -> metadata on
+    // (OK, OVER_LIMIT, shadow refusal)
+    let rows = [
+        (None, None, [false, true, true]),
+        (Some("refusals"), None, [false, true, true]),
+        (Some("all"), None, [true, true, true]),
+        (Some("off"), None, [false, false, false]),
+        (None, Some("all"), [true, true, true]),
+        // The setting's old boolean values.
+        (Some("true"), None, [true, true, true]),
+        (None, Some("true"), [true, true, true]),
+        (None, Some("false"), [false, false, false]),
+    ];
+    for (flag, env, expected) in rows {
+        let rules = Rules::new(RULES);
+        let mut args = vec!["--config", rules.path().to_str().unwrap()];
+        args.extend(
+            flag.map(|value| ["--response-metadata", value])
+                .iter()
+                .flatten(),
+        );
+        let env: Vec<_> = env
+            .map(|value| ("TURNSTILE_RESPONSE_METADATA", value))
+            .into_iter()
+            .collect();
+        let t = Turnstile::start_with(&args, &env).await;
+        let ok = t.call(narrow()).await.unwrap();
+        let over = t.call(narrow()).await.unwrap();
+        t.call(shadow()).await.unwrap();
+        let shadowed = t.call(shadow()).await.unwrap();
+        assert_eq!(
+            [code(&ok), code(&over), code(&shadowed)],
+            [Code::Ok, Code::OverLimit, Code::Ok]
+        );
+        assert_eq!(codes(&shadowed), [Code::Ok], "shadow mode lets it through");
+        let present = [&ok, &over, &shadowed].map(|r| r.dynamic_metadata.is_some());
+        assert_eq!(present, expected, "{flag:?} {env:?}");
+    }
+}
+
+#[tokio::test]
 async fn the_reference_debug_and_prometheus_ports_serve_rules_and_metrics() {
     use support::turnstile::free_port;
     let rules = Rules::new(RULES);

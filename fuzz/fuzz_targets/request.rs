@@ -12,7 +12,7 @@ use turnstile::config::{RuleSet, load_str};
 use turnstile::decision::Charging;
 use turnstile::plan::Plan;
 use turnstile::request::{Bounds, CheckRequest};
-use turnstile::response::{self, Headers, ResponseSettings};
+use turnstile::response::{self, Headers, MetadataOn, ResponseSettings};
 
 const RULES: &str = "
 domain: d
@@ -61,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let settings = ResponseSettings {
         headers: Headers::Ietf,
-        metadata: true,
+        metadata: MetadataOn::All,
         reference_metadata: data.first().is_some_and(|b| b & 1 == 1),
         global_shadow: false,
     };

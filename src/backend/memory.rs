@@ -167,6 +167,17 @@ fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
     entry.expires_at = KeyState::commit(&mut entry.state, &hit.limit, now, hit.cost());
 }
 
+/// Whether a request whose hits got `verdicts` is charged.
+fn charges(charging: Charging, hits: &[Hit], verdicts: &[Outcome]) -> bool {
+    match charging {
+        Charging::PerDescriptor => true,
+        Charging::Nothing => false,
+        Charging::Atomic => {
+            !request_refused(hits.iter().zip(verdicts).map(|(h, v)| (h.role, v.admitted)))
+        }
+    }
+}
+
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // Entries are updated in place by plain arithmetic that cannot panic halfway, so a
     // poisoned lock still guards consistent data.
@@ -263,6 +274,18 @@ impl MemoryBackend {
         charging: Charging,
         now: Micros,
     ) -> Result<Vec<Outcome>, BackendError> {
+        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
+        // One hit (one descriptor, one limit) is the common call: it needs one shard and none
+        // of the bookkeeping below, whose vectors were most of this step's allocations.
+        if let [hit] = hits {
+            let mut shard = self.lock(self.shard_of(&hit.key));
+            let verdict = check_any(shard.touch(&hit.key, now), hit, now);
+            let verdicts = vec![verdict];
+            if hit.releases() || (charges(charging, hits, &verdicts) && writes(hit, &verdict)) {
+                self.charge(&mut shard, hit, hits, now);
+            }
+            return Ok(verdicts);
+        }
         let shard_of: Vec<usize> = hits.iter().map(|h| self.shard_of(&h.key)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
@@ -274,7 +297,6 @@ impl MemoryBackend {
             .map(|s| order.partition_point(|i| i < s))
             .collect();
 
-        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
         let mut scratch: HashMap<&str, Entry> = HashMap::new();
         let mut verdicts: Vec<Outcome> = Vec::with_capacity(hits.len());
         for (i, (h, &g)) in hits.iter().zip(&held).enumerate() {
@@ -295,15 +317,7 @@ impl MemoryBackend {
             }
             verdicts.push(v);
         }
-        let charge = match charging {
-            Charging::PerDescriptor => true,
-            Charging::Nothing => false,
-            Charging::Atomic => !request_refused(
-                hits.iter()
-                    .zip(&verdicts)
-                    .map(|(h, v)| (h.role, v.admitted)),
-            ),
-        };
+        let charge = charges(charging, hits, &verdicts);
         for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
             if h.releases() || (charge && writes(h, v)) {
                 self.charge(&mut guards[g], h, hits, now);
