@@ -634,6 +634,9 @@ async fn envoy_gateways_environment_alone_takes_rules_from_xds() {
         ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true".into()),
         ("REDIS_SOCKET_TYPE", "tcp".into()),
         ("REDIS_URL", redis.addr()),
+        // As every test through a debug binary on a busy runner: the 25 ms default is for
+        // release builds (this test is about where the rules come from).
+        ("TURNSTILE_REDIS_TIMEOUT", "2s".into()),
     ];
     let t = start(&env).await;
     let answer = plane.answer_to(0).await;
