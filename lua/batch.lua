@@ -4,10 +4,10 @@
 --
 -- KEYS are every request's hits' keys, request after request (all of them share one slot).
 -- ARGV: the number of requests, then per request its mode, nonce, deadline and number of
--- hits, then 7 values per hit: algorithm, limit, window seconds, burst, cost, a lease ('+<id>'
--- taken, '-<id>' given back, '' none: concurrency limits only), and a last value that is the
--- role ('e' enforce, 's' shadow, 'q' quota) or, in 'refund' mode, the stamp the charging call
--- replied. A lease given back always applies: its request is over. A refund passes every hit
+-- hits, then 8 values per hit: algorithm, limit, window seconds, burst, cost, a lease ('+<id>'
+-- taken, '-<id>' given back, '' none: concurrency limits only), the role ('e' enforce, 's'
+-- shadow, 'q' quota), and the stamp the charging call replied ('' except in 'refund' mode).
+-- A lease given back always applies: its request is over. A refund passes every hit
 -- of the charging call, in the same order (members are named after their index), with cost 0
 -- for the hits that were not charged.
 --
@@ -57,10 +57,10 @@ for r = 1, tonumber(ARGV[1]) do
       hits = tonumber(ARGV[a + 5]),
       lease = ARGV[a + 6],
       role = ARGV[a + 7],
-      stamp = ARGV[a + 7],
+      stamp = ARGV[a + 8],
       member = request.nonce .. ':' .. i,
     }
-    a = a + 7
+    a = a + 8
   end
   requests[r] = request
 end

@@ -154,14 +154,13 @@ EOF
 declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
   [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
 # ARGV of one hit of each rule, as turnstile sends it: algorithm, limit, window s, burst,
-# cost, lease, role (after the call's request count, 1, and the request's mode, nonce,
-# deadline 0 and hit count, 1). turnstile sends an empty lease for these algorithms; an
-# empty word cannot pass through redis-benchmark's arguments here, and "0" means the same to
-# the script (only a lease starting with + or - does anything).
+# cost, lease, role, stamp. turnstile sends an empty lease and stamp here; an empty word
+# cannot pass through redis-benchmark's arguments, and "0" means the same to the script (only
+# a lease starting with + or - does anything, and only a refund reads the stamp).
 declare -A HIT_ARGS=(
-  [fw]="fixed_window 1000000000 60 1000000000 1 0 e"
-  [sw]="sliding_window 10000 1 10000 1 0 e"
-  [tb]="token_bucket 1 1 1000000000 1 0 e"
+  [fw]="fixed_window 1000000000 60 1000000000 1 0 e 0"
+  [sw]="sliding_window 10000 1 10000 1 0 e 0"
+  [tb]="token_bucket 1 1 1000000000 1 0 e 0"
 )
 
 TS_PID="" GRPC=""
@@ -276,18 +275,36 @@ done
 # ---------------------------------------------------------------------------------------
 # b. The ceiling: the same EVALSHA from redis-benchmark, same Redis, same key shapes.
 log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
-ceiling() { # RULE KEYS REQUESTS
-  local rule="$1" keys="$2" n="$3" key range
+# evalsha_args RULE KEYS PER_CALL: the KEYS and ARGV of one call deciding PER_CALL requests
+# of one hit each, as coalescing sends them (request count, then per request: mode, nonce,
+# deadline 0, hit count 1, the hit). redis-benchmark draws every __rand_int__ afresh.
+evalsha_args() {
+  local rule="$1" keys="$2" per_call="$3" key i
   if [ "$keys" = 1 ]; then
-    key="{bench|$rule=u0|${ALGO[$rule]}}" range=1000000000
+    key="{bench|$rule=u0|${ALGO[$rule]}}"
   else
-    key="{bench|$rule=u__rand_int__|${ALGO[$rule]}}" range="$keys"
+    key="{bench|$rule=u__rand_int__|${ALGO[$rule]}}"
   fi
-  # shellcheck disable=SC2086 # HIT_ARGS is a word list on purpose
+  printf '%s\n' "$per_call"
+  for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
+  printf '%s\n' "$per_call"
+  for i in $(seq "$per_call"); do
+    # shellcheck disable=SC2086 # HIT_ARGS is a word list on purpose
+    printf '%s\n' atomic "n__rand_int__" 0 1 ${HIT_ARGS[$rule]}
+  done
+}
+ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
+  local rule="$1" keys="$2" n="$3" per_call="${4:-1}" range args
+  range="$([ "$keys" = 1 ] && echo 1000000000 || echo "$keys")"
+  mapfile -t args < <(evalsha_args "$rule" "$keys" "$per_call")
   redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -c "$REDIS_POOL" -P "$PIPELINE" -n "$n" \
-    -r "$range" --csv EVALSHA "$SHA" 1 "$key" atomic "n__rand_int__" 0 ${HIT_ARGS[$rule]} |
+    -r "$range" --csv EVALSHA "$SHA" "${args[@]}" |
     tail -1 | cut -d, -f2 | tr -d '"'
 }
+# The call must be one the script decides, not an error redis-benchmark would count as fast.
+mapfile -t probe_args < <(evalsha_args fw 1 2)
+rcli EVALSHA "$SHA" "${probe_args[@]}" | grep -q ERR &&
+  { echo "the ceiling's EVALSHA fails:" >&2; rcli EVALSHA "$SHA" "${probe_args[@]}" >&2; exit 1; }
 target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)
 for rule in fw sw tb; do
   for keys in 1 "$BIG"; do
@@ -303,6 +320,24 @@ for rule in fw sw tb; do
         calls: $n, connections: $c, pipeline: $p}' | tee -a "$RESULTS" |
       jq -r '"  \(.name): \(.rps|floor)/s"' >&2
   done
+done
+
+# b2. Redis CPU per decision by requests per call (fixed window, 100 000 keys): what
+#     coalescing can save at best, on Redis' side.
+redis_cpu_us() { rcli INFO cpu | awk -F: '/^used_cpu_(sys|user):/ {s += $2} END {printf "%.0f", s * 1e6}'; }
+for per_call in 1 4 16 64; do
+  rcli FLUSHALL >/dev/null
+  n=$((200000 / per_call))
+  before="$(redis_cpu_us)"
+  rps="$(ceiling fw "$BIG" "$n" "$per_call")"
+  after="$(redis_cpu_us)"
+  jq -nc --arg name "batch_ceiling/fixed_window/$per_call" --argjson per_call "$per_call" \
+    --argjson rps "$rps" --argjson n "$n" --argjson cpu "$((after - before))" \
+    '{name: $name, backend: "redis-benchmark", algorithm: "fixed_window", per_call: $per_call,
+      calls_per_s: $rps, decisions_per_s: ($rps * $per_call),
+      redis_cpu_us_per_decision: ($cpu / ($n * $per_call) * 10 | round / 10)}' |
+    tee -a "$RESULTS" |
+    jq -r '"  \(.name): \(.decisions_per_s|floor) decisions/s, Redis \(.redis_cpu_us_per_decision) us/decision"' >&2
 done
 
 # ---------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def main(argv):
         w("")
         w(
             f"Ceiling: `redis-benchmark -c {c['connections']} -P {c['pipeline']}` running "
-            "`EVALSHA` of the assembled batch script with one hit of the same rule "
+            "`EVALSHA` of the batch script (`turnstile redis-script`) with one request of one hit of the same rule "
             "(the same KEYS/ARGV turnstile sends), against the same Redis in the same run."
         )
 
@@ -152,6 +152,37 @@ def main(argv):
         """µs of CPU per call of one watched process, or of all processes named process*."""
         cpu = r.get("cpu_us_per_call", {})
         return sum(v for k, v in cpu.items() if k == process or (k.startswith(process) and k[len(process):].isdigit()))
+
+    coalescing = sorted(
+        (r for r in rows if r["name"].startswith("redis_batch_")),
+        key=lambda r: (r["concurrency"], r["name"]),
+    )
+    if coalescing:
+        w("")
+        w("### Coalescing, A/B in this run (Redis backend, fixed window, 100 000 keys, closed loop)")
+        w("")
+        w("| calls in flight | `--redis-batch` | decisions/s | p99 ms | errors | Redis CPU µs/decision | turnstile CPU µs/decision |")
+        w("|---:|---|---:|---:|---:|---:|---:|")
+        for r in coalescing:
+            batch = r["name"].split("/")[0].removeprefix("redis_batch_")
+            batch = "64 (default)" if batch == "default" else f"{batch} (off)"
+            d = r["descriptors"]
+            w(
+                f"| {r['concurrency']} | {batch} | {fmt_int(r['rps'] * d)} | {r['latency_ms']['p99']:.2f} | "
+                f"{r['errors']} | {cpu_of(r, 'redis') / d:.1f} | {cpu_of(r, 'turnstile') / d:.1f} |"
+            )
+
+    per_call = sorted(
+        (r for r in rows if r["name"].startswith("batch_ceiling/")), key=lambda r: r["per_call"]
+    )
+    if per_call:
+        w("")
+        w("### Redis CPU per decision by requests per script call (redis-benchmark, fixed window, 100 000 keys)")
+        w("")
+        w("| requests per call | decisions/s | Redis CPU µs/decision |")
+        w("|---:|---:|---:|")
+        for r in per_call:
+            w(f"| {r['per_call']} | {fmt_int(r['decisions_per_s'])} | {r['redis_cpu_us_per_decision']:.1f} |")
 
     ab = [r for r in rows if r["name"].startswith("ab/")]
     if ab:

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use ::redis::cluster_routing::Slot;
 use tokio::task::JoinSet;
 
-use super::script::{Mode, Part, Reply, role_letter};
+use super::script::{Mode, Part, Reply};
 use super::{Shared, coalesce};
 use crate::algorithm::Micros;
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
@@ -96,13 +96,7 @@ impl Job {
             let mut part = Part::new(mode, &self.nonce);
             for &i in group {
                 let (key, hit) = &self.hits[i];
-                part.push(
-                    key.clone(),
-                    hit,
-                    hit.hits,
-                    role_letter(hit.role),
-                    self.layout(),
-                );
+                part.push(key.clone(), hit, hit.hits, None, self.layout());
             }
             part
         });
@@ -144,7 +138,7 @@ impl Job {
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };
-                    let stamp = verdicts[i].stamp.to_string();
+                    let stamp = Some(verdicts[i].stamp);
                     part.push(key.clone(), hit, cost, stamp, self.layout());
                 }
                 part

@@ -299,13 +299,7 @@ impl RedisBackend {
         };
         let mut part = Part::new(mode, &nonce);
         for (key, hit) in keys.into_iter().zip(hits) {
-            part.push(
-                key,
-                hit,
-                hit.hits,
-                script::role_letter(hit.role),
-                shared.key_layout,
-            );
+            part.push(key, hit, hit.hits, None, shared.key_layout);
         }
         let slot = shared.slot(&part);
         let replies =

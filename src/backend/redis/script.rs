@@ -89,13 +89,12 @@ impl Mode {
     }
 }
 
-pub(super) fn role_letter(role: Role) -> String {
+fn role_letter(role: Role) -> &'static str {
     match role {
         Role::Enforce => "e",
         Role::Shadow => "s",
         Role::Quota => "q",
     }
-    .into()
 }
 
 /// A fresh nonce per request: it names the request's sliding-window entries, so a refund
@@ -109,7 +108,7 @@ pub(super) struct Part {
     mode: Mode,
     nonce: String,
     keys: Vec<String>,
-    /// 7 values per hit.
+    /// 8 values per hit.
     args: Vec<String>,
 }
 
@@ -123,14 +122,13 @@ impl Part {
         }
     }
 
-    /// Add one hit costing `hits`; `last` is the role letter, or in a refund the stamp the
-    /// charge replied.
+    /// Add one hit costing `hits`; a refund passes the `stamp` its charge replied.
     pub(super) fn push(
         &mut self,
         key: String,
         hit: &Hit,
         hits: u64,
-        last: String,
+        stamp: Option<i64>,
         layout: KeyLayout,
     ) {
         let limit = &hit.limit;
@@ -147,7 +145,8 @@ impl Part {
             limit.burst.to_string(),
             hits.to_string(),
             lease,
-            last,
+            role_letter(hit.role).into(),
+            stamp.map(|stamp| stamp.to_string()).unwrap_or_default(),
         ]);
     }
 
