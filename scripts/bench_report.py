@@ -281,6 +281,29 @@ def main(argv):
                 f"{fmt_int(d)} decisions/s ({fmt_int(multi['rps'])} calls/s)",
             )
         )
+    # Issue 15's targets: CPU per call (more stable than calls/s on a shared machine),
+    # coalescing, and errors from a healthy Redis.
+    mem = by.get(f"memory/fixed_window/{BIG}")
+    if mem:
+        us = cpu_of(mem, "turnstile")
+        checks.append(("memory backend ≤ 12 µs turnstile CPU per call (64 in flight)", us <= 12, f"{us:.1f} µs"))
+    off = by.get(f"redis_batch_1/fixed_window/{BIG}/c64")
+    on = by.get(f"redis_batch_default/fixed_window/{BIG}/c64")
+    if on:
+        r_us, t_us = cpu_of(on, "redis"), cpu_of(on, "turnstile")
+        checks.append(("Redis CPU ≤ 5 µs per decision (64 in flight, coalescing on)", r_us <= 5, f"{r_us:.1f} µs"))
+        checks.append(("turnstile CPU ≤ 15 µs per decision on Redis (64 in flight)", t_us <= 15, f"{t_us:.1f} µs"))
+    if on and off:
+        gain = on["rps"] / off["rps"]
+        checks.append(("coalescing at least doubles decisions/s (64 in flight, same run)", gain >= 2, f"×{gain:.2f} ({fmt_int(off['rps'])} → {fmt_int(on['rps'])}/s)"))
+    healthy = [r for r in rows if r["name"].startswith("redis_batch_default/")]
+    if healthy:
+        errors = ", ".join(f"{r['concurrency']}: {r['errors']}" for r in sorted(healthy, key=lambda r: r["concurrency"]))
+        checks.append(("0 errors from a healthy Redis at 64, 256 and 512 in flight", all(r["errors"] == 0 for r in healthy), f"errors by calls in flight: {errors}"))
+    for backend, bound in (("memory", 2.0), ("redis", 3.0)):
+        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
+        if r:
+            checks.append((f"issue 15: p99 ≤ {bound:g} ms at 50% of peak ({backend})", r["latency_ms"]["p99"] <= bound, f"p99 {r['latency_ms']['p99']:.3f} ms"))
     w("| target | met | measured |")
     w("|---|---|---|")
     for name, ok, detail in checks:
