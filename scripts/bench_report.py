@@ -61,16 +61,19 @@ def main(argv):
     out = []
     w = out.append
 
+    def table(title, header, rule):
+        w("")
+        w(f"### {title}")
+        w("")
+        w(header)
+        w(rule)
+
     w(
         f"Measured {m['date']} on {m['nproc']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
         f"Redis {m['redis']} on the same host; {'`--quick` run' if quick else 'full run'}. "
         "turnstile, the load generator and Redis share the cores."
     )
-    w("")
-    w("### Throughput and latency, 64 calls in flight (closed loop)")
-    w("")
-    w("| backend | rule | keys | calls/s | decisions/s | p50 ms | p99 ms | p99.9 ms | OK | OVER_LIMIT | errors | CPU µs/call turnstile · redis · generator | EVALSHA ceiling/s | ÷ ceiling |")
-    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    table("Throughput and latency, 64 calls in flight (closed loop)", "| backend | rule | keys | calls/s | decisions/s | p50 ms | p99 ms | p99.9 ms | OK | OVER_LIMIT | errors | CPU µs/call turnstile · redis · generator | EVALSHA ceiling/s | ÷ ceiling |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     labels = {"over_limit": "fixed_window, limit 1/h (over limit)", "fixed_window_4d": "fixed_window, 4 descriptors/call"}
     for backend in ("memory", "redis"):
         for algorithm in ("fixed_window", "sliding_window", "token_bucket", "over_limit", "fixed_window_4d"):
@@ -103,11 +106,7 @@ def main(argv):
             "(the same KEYS/ARGV turnstile sends), against the same Redis in the same run."
         )
 
-    w("")
-    w("### p99 at 50% of peak (open loop, fixed window, 100 000 keys)")
-    w("")
-    w("| backend | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |")
-    w("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    table("p99 at 50% of peak (open loop, fixed window, 100 000 keys)", "| backend | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for backend in ("memory", "redis"):
         r = by.get(f"{backend}/open_loop_50pct/{BIG}")
         peak = by.get(f"{backend}/fixed_window/{BIG}")
@@ -125,11 +124,7 @@ def main(argv):
             f"{'' if service is None else f'{service:.3f}'} | {cpu_cell} | {r['errors']} | {r['unsent']} |"
         )
 
-    w("")
-    w("### Memory at 100 000 keys")
-    w("")
-    w("| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |")
-    w("|---|---:|---:|---:|---:|---:|")
+    table("Memory at 100 000 keys", "| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |", "|---|---:|---:|---:|---:|---:|")
     for algorithm in ("fixed_window", "sliding_window", "token_bucket"):
         redis = by.get(f"redis_memory/{algorithm}")
         rss = by.get(f"memory_rss/{algorithm}")
@@ -158,11 +153,7 @@ def main(argv):
         key=lambda r: (r["concurrency"], r["name"]),
     )
     if coalescing:
-        w("")
-        w("### Coalescing, A/B in this run (Redis backend, fixed window, 100 000 keys, closed loop)")
-        w("")
-        w("| calls in flight | `--redis-batch` | decisions/s | p99 ms | errors | Redis CPU µs/decision | turnstile CPU µs/decision |")
-        w("|---:|---|---:|---:|---:|---:|---:|")
+        table("Coalescing, A/B in this run (Redis backend, fixed window, 100 000 keys, closed loop)", "| calls in flight | `--redis-batch` | decisions/s | p99 ms | errors | Redis CPU µs/decision | turnstile CPU µs/decision |", "|---:|---|---:|---:|---:|---:|---:|")
         for r in coalescing:
             batch = r["name"].split("/")[0].removeprefix("redis_batch_")
             batch = "64 (default)" if batch == "default" else f"{batch} (off)"
@@ -176,21 +167,13 @@ def main(argv):
         (r for r in rows if r["name"].startswith("batch_ceiling/")), key=lambda r: r["per_call"]
     )
     if per_call:
-        w("")
-        w("### Redis CPU per decision by requests per script call (redis-benchmark, fixed window, 100 000 keys)")
-        w("")
-        w("| requests per call | decisions/s | Redis CPU µs/decision |")
-        w("|---:|---:|---:|")
+        table("Redis CPU per decision by requests per script call (redis-benchmark, fixed window, 100 000 keys)", "| requests per call | decisions/s | Redis CPU µs/decision |", "|---:|---:|---:|")
         for r in per_call:
             w(f"| {r['per_call']} | {fmt_int(r['decisions_per_s'])} | {r['redis_cpu_us_per_decision']:.1f} |")
 
     ab = [r for r in rows if r["name"].startswith("ab/")]
     if ab:
-        w("")
-        w("### Before/after (this run: the baseline binary and this build in turn, fixed window, 100 000 keys, 64 in flight)")
-        w("")
-        w("| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |")
-        w("|---|---|---|---|---|---|---:|")
+        table("Before/after (this run: the baseline binary and this build in turn, fixed window, 100 000 keys, 64 in flight)", "| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---:|")
         for backend in ("memory", "redis"):
             for side in ("baseline", "current"):
                 runs = sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
@@ -210,11 +193,7 @@ def main(argv):
 
     fleet = [r for r in rows if r["name"].startswith("fleet/")]
     if fleet:
-        w("")
-        w("### A fleet on one Redis (fixed window, 100 000 keys, 64 calls in flight over all instances)")
-        w("")
-        w("| instances | decisions/s (all) | errors | Redis CPU µs/decision | turnstile CPU µs/decision (all instances) | instances one Redis core serves at 10 000 decisions/s each |")
-        w("|---:|---:|---:|---:|---:|---:|")
+        table("A fleet on one Redis (fixed window, 100 000 keys, 64 calls in flight over all instances)", "| instances | decisions/s (all) | errors | Redis CPU µs/decision | turnstile CPU µs/decision (all instances) | instances one Redis core serves at 10 000 decisions/s each |", "|---:|---:|---:|---:|---:|---:|")
         for r in fleet:
             decisions = r["rps"] * r["descriptors"]
             redis_us = cpu_of(r, "redis") / r["descriptors"]
@@ -224,11 +203,7 @@ def main(argv):
 
     crit = [r for r in rows if r["name"].startswith("criterion/")]
     if crit:
-        w("")
-        w("### Rule matching, 10 000 rules (criterion, median)")
-        w("")
-        w("| benchmark | median | mean |")
-        w("|---|---:|---:|")
+        table("Rule matching, 10 000 rules (criterion, median)", "| benchmark | median | mean |", "|---|---:|---:|")
         for r in sorted(crit, key=lambda r: r["name"]):
             w(f"| `{r['name'].removeprefix('criterion/')}` | {r['median_ns']:,} ns | {r['mean_ns']:,} ns |")
 
