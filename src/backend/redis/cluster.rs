@@ -7,7 +7,6 @@
 //! The work runs in a task of its own, so a caller that times out or goes away cannot leave a
 //! reservation unrefunded.
 
-use crate::deadline::Deadline;
 use std::sync::Arc;
 
 use ::redis::cluster_routing::Slot;
@@ -16,6 +15,7 @@ use tokio::task::JoinSet;
 use super::script::{Mode, Part, Reply};
 use super::{Shared, coalesce};
 use crate::algorithm::Micros;
+use crate::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 
 /// Indices of the hits, grouped by the slot of their key, in order of first appearance.

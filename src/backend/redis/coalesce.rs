@@ -28,8 +28,8 @@ use ::redis::cluster_routing::Slot;
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::oneshot;
 
+use super::Shared;
 use super::script::{self, Call, Part, Reply};
-use super::{Shared, backend_error};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
 use crate::deadline::Deadline;
@@ -69,7 +69,7 @@ pub(super) struct Lanes {
     /// Made on first use; a Cluster has at most 16 384 slots.
     slots: Mutex<HashMap<Slot, Arc<Lane>>>,
     /// How late the I/O runtime runs.
-    lag: Lag,
+    pub(super) lag: Lag,
 }
 
 impl Lanes {
@@ -257,18 +257,10 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
     for request in &live {
         *lock(&request.written) = Some(sent);
     }
-    let answer = match tokio::time::timeout(bound, script::run(&shared.pool, &call)).await {
-        Ok(Ok(raw)) => script::decode(&raw, &call),
-        Ok(Err(err)) => {
-            shared.pool.trouble(&err);
-            Err(backend_error(&err))
-        }
-        Err(_) if shared.lanes.lag.explains(bound) => Err(BackendError::Late),
-        Err(_) => {
-            shared.pool.timed_out();
-            Err(BackendError::Timeout)
-        }
-    };
+    let answer = shared
+        .bounded(bound, script::run(&shared.pool, &call))
+        .await
+        .and_then(|raw| script::decode(&raw, &call));
     drop(call);
     let answer = match answer {
         Ok(answer) => answer,

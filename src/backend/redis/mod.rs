@@ -161,10 +161,7 @@ impl RedisBackend {
         }
         // On the I/O runtime, which then drives the connections (see `coalesce`).
         let owned = config.clone();
-        let pool = io()
-            .spawn(async move { Pool::connect(&owned).await })
-            .await
-            .map_err(|err| BackendError::Unavailable(format!("connecting to Redis: {err}")))??;
+        let pool = on_io(async move { Pool::connect(&owned).await }).await?;
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 pool,
@@ -195,7 +192,7 @@ impl RedisBackend {
         let lua = lua.clone();
         on_io(async move {
             let call = script::run_lua(&shared.pool, &lua, &key, &args);
-            shared.bounded(call).await
+            shared.bounded(shared.call_timeout, call).await
         })
         .await
     }
@@ -225,17 +222,21 @@ impl Shared {
             .flatten()
     }
 
-    /// A command other than a decision, bounded by the call timeout.
+    /// A command bounded by `bound`, run on the I/O runtime. No reply in time is
+    /// [`BackendError::Timeout`], unless that runtime's own lag explains the wait
+    /// ([`BackendError::Late`]: Redis' reply may have waited for us).
     async fn bounded<T>(
         &self,
+        bound: Duration,
         command: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, BackendError> {
-        match tokio::time::timeout(self.call_timeout, command).await {
+        match tokio::time::timeout(bound, command).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(err)) => {
                 self.pool.trouble(&err);
                 Err(backend_error(&err))
             }
+            Err(_) if self.lanes.lag.explains(bound) => Err(BackendError::Late),
             Err(_) => {
                 self.pool.timed_out();
                 Err(BackendError::Timeout)
@@ -321,7 +322,8 @@ impl Backend for RedisBackend {
         let shared = Arc::clone(&self.shared);
         let ping = on_io(async move {
             let ping = ::redis::cmd("PING");
-            shared.bounded(shared.pool.query::<String>(&ping)).await
+            let reply = shared.pool.query::<String>(&ping);
+            shared.bounded(shared.call_timeout, reply).await
         });
         ping.await.is_ok()
     }
