@@ -365,6 +365,17 @@ async fn call_failures(envoy: &Envoy) -> CallFailures {
     }
 }
 
+/// Calls `t` answered with an error (its failure policy's answer: Redis slower than its
+/// timeout, which an overloaded machine has some of).
+async fn answered_errors(t: &Turnstile) -> usize {
+    let (_, metrics) = t.http_get("/metrics").await.expect("/metrics");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("ratelimit_service_should_rate_limit_error{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as usize
+}
+
 /// Clients sending back to back while an instance is killed.
 const CLIENTS: u64 = 4;
 
@@ -405,9 +416,11 @@ async fn a_killed_instance_lets_no_request_through_unlimited() {
     replies.iter().flatten().for_each(|r| tally.count(r));
     let retries = top.envoy.stats("cluster.turnstile.upstream_rq_retry").await;
     let failures = call_failures(&top.envoy).await;
+    let survivor_errors = answered_errors(&top.turnstiles[1]).await as u64;
     eprintln!(
         "instance killed: {} requests, {} through unlimited; Envoy's calls: {failures:?}, \
-         {} retried ({} retries succeeded); ejected after {ejected_after:?}",
+         {} retried ({} retries succeeded); ejected after {ejected_after:?}; the surviving \
+         instance answered {survivor_errors} by its failure policy",
         replies.iter().flatten().count(),
         tally.unlimited_ok,
         retries["cluster.turnstile.upstream_rq_retry"],
@@ -418,9 +431,11 @@ async fn a_killed_instance_lets_no_request_through_unlimited() {
     // only failures Envoy itself answered are timeouts and the calls the instance took down
     // with it, at most one per client (each has one call in flight). Envoy counts the latter
     // as resets or as 5xx of a destroyed connection, so they are bounded by the clients.
+    // Envoy also counts a gRPC error as a 5xx: the survivor's policy answers, when the
+    // whole load moved to it made a Redis call outlive its timeout, are not the kill's.
     assert!(
-        failures.not_retried <= failures.timed_out + CLIENTS,
-        "{failures:?}"
+        failures.not_retried <= failures.timed_out + CLIENTS + survivor_errors,
+        "{failures:?}, survivor's policy answers {survivor_errors}"
     );
     assert!(
         failures.in_flight <= CLIENTS,
@@ -505,12 +520,7 @@ impl Topology {
             .await;
         let mut failed = stats.values().sum::<u64>() as usize;
         for t in &self.turnstiles {
-            let (_, metrics) = t.http_get("/metrics").await.expect("/metrics");
-            failed += metrics
-                .lines()
-                .filter(|l| l.starts_with("ratelimit_service_should_rate_limit_error{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as usize;
+            failed += answered_errors(t).await;
         }
         failed
     }
