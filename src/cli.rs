@@ -326,6 +326,10 @@ pub struct ServeArgs {
     /// PEM CA bundle: when set, clients must present a certificate it signed (mTLS).
     #[arg(long, env = "GRPC_CLIENT_TLS_CACERT", requires = "grpc_tls_cert")]
     pub grpc_client_ca: Option<PathBuf>,
+    /// Threads serving gRPC, each with the connections it was given (0: one per CPU). A
+    /// connection stays on one thread, so a call wakes no other thread.
+    #[arg(long, env = "TURNSTILE_GRPC_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    pub grpc_threads: u16,
     /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT", default_value_t = 10_000)]
     pub max_in_flight: usize,
@@ -556,6 +560,14 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// How many threads serve gRPC.
+    pub fn grpc_threads(&self) -> usize {
+        match self.grpc_threads {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => usize::from(n),
+        }
+    }
+
     pub fn grpc_addr(&self) -> SocketAddr {
         self.grpc_addr
             .unwrap_or(SocketAddr::new(self.grpc_host, self.grpc_port))

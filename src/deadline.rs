@@ -2,9 +2,10 @@
 //! sends its filter timeout as `grpc-timeout`) down to the Redis script, which, starting
 //! later than it, charges nothing.
 //!
-//! One deadline instead of a timeout per layer: a layer's own bound (the Redis call timeout)
-//! only ever shortens it, so no layer waits for an answer nobody will read, and no decision
-//! is charged for a caller that already gave up. It travels as a task-local because only the
+//! One deadline instead of a timeout per layer: no layer waits for an answer nobody will
+//! read, and no decision is charged for a caller that already gave up. A caller without a
+//! deadline of its own gets the request timeout's. The Redis call timeout is not folded into
+//! it: it bounds a call from when it is written, so that it measures Redis alone. It travels as a task-local because only the
 //! edge sets it and only the backend at the bottom reads it; the decorators in between need
 //! not carry it.
 
@@ -59,11 +60,6 @@ impl Deadline {
     /// The deadline of the decision this task is taking, if its caller set one.
     pub fn current() -> Option<Deadline> {
         CURRENT.try_with(|deadline| *deadline).ok()
-    }
-
-    /// This deadline, or the current decision's if that is sooner.
-    pub fn or_sooner(self) -> Deadline {
-        Deadline::current().map_or(self, |current| current.min(self))
     }
 
     /// Run `work` as a decision due by this deadline (for [`Deadline::current`]), without a
@@ -136,17 +132,6 @@ mod tests {
             Deadline::for_call(Duration::from_micros(500)).remaining(),
             Duration::ZERO
         );
-    }
-
-    #[tokio::test]
-    async fn the_sooner_of_a_bound_and_the_callers_deadline_applies() {
-        let own = Deadline::after(Duration::from_secs(10));
-        assert_eq!(own.or_sooner(), own, "no caller deadline: the own bound");
-        let caller = Deadline::after(Duration::from_secs(1));
-        let seen = caller.scope(async { own.or_sooner() }).await;
-        assert_eq!(seen, caller);
-        let later = Deadline::after(Duration::from_secs(60));
-        assert_eq!(later.scope(async { own.or_sooner() }).await, own);
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::active::ActiveRules;
 use crate::admin::{self, Admin};
@@ -82,6 +83,7 @@ fn settings(args: &ServeArgs) -> Settings {
             global_shadow: args.shadow_mode,
         },
         quota_mode: args.quota_mode,
+        request_timeout: args.request_timeout,
         on_backend_error: match args.on_backend_error {
             PolicyArg::Error => FailurePolicy::Error,
             PolicyArg::Allow => FailurePolicy::Allow,
@@ -407,7 +409,8 @@ async fn run<B: Backend>(
     let until_stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let grpc_incoming = listener::incoming(
+    let threads = args.grpc_threads();
+    let handoffs = listener::spread(
         grpc_listener,
         Port {
             max_connections: grpc_cap,
@@ -419,27 +422,67 @@ async fn run<B: Backend>(
             write_stall: None,
             metrics: metrics.connections("grpc"),
         },
+        threads,
     );
-    let grpc = tonic::transport::Server::builder()
-        .timeout(args.request_timeout)
-        .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
-        .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
-        .layer(
-            tower::ServiceBuilder::new()
-                .layer(GrpcMetricsLayer::new(metrics.clone()))
-                .load_shed()
-                .concurrency_limit(args.max_in_flight),
-        )
-        .add_service(health_service)
-        .add_service(
-            RateLimitServiceServer::from_arc(limiter.clone())
-                .max_decoding_message_size(args.max_message_bytes),
-        )
-        .add_service(
-            RateLimitQuotaServiceServer::new(quota)
-                .max_decoding_message_size(args.max_message_bytes),
-        )
-        .serve_with_incoming_shutdown(grpc_incoming, until_stopped(stopped.clone()));
+    tracing::info!(threads, "serving gRPC");
+    // One cap on calls in flight for all serving threads.
+    let in_flight = GlobalConcurrencyLimitLayer::new(args.max_in_flight);
+    let quota = Arc::new(quota);
+    let mut servers = Vec::with_capacity(threads);
+    for (n, handoff) in handoffs.into_iter().enumerate() {
+        let router = tonic::transport::Server::builder()
+            .timeout(args.request_timeout)
+            .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
+            .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
+            .layer(
+                tower::ServiceBuilder::new()
+                    .layer(GrpcMetricsLayer::new(metrics.clone()))
+                    .load_shed()
+                    .layer(in_flight.clone()),
+            )
+            .add_service(health_service.clone())
+            .add_service(
+                RateLimitServiceServer::from_arc(limiter.clone())
+                    .max_decoding_message_size(args.max_message_bytes),
+            )
+            .add_service(
+                RateLimitQuotaServiceServer::from_arc(quota.clone())
+                    .max_decoding_message_size(args.max_message_bytes),
+            );
+        let stopped = stopped.clone();
+        let (done, served) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("turnstile-grpc-{n}"))
+            .spawn(move || {
+                let result = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(anyhow::Error::from)
+                    .and_then(|runtime| {
+                        // The handoff registers sockets with the runtime it is taken on.
+                        runtime.block_on(async move {
+                            router
+                                .serve_with_incoming_shutdown(
+                                    handoff.serve_here(),
+                                    until_stopped(stopped),
+                                )
+                                .await
+                        })?;
+                        Ok(())
+                    });
+                let _ = done.send(result);
+            })
+            .context("cannot start a gRPC serving thread")?;
+        servers.push(served);
+    }
+    let grpc = async move {
+        for served in servers {
+            served
+                .await
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a gRPC serving thread stopped")))?;
+        }
+        anyhow::Ok(())
+    };
     let http = futures_util::future::join_all(routers.into_iter().map(|(name, tcp, router)| {
         let port = Port {
             max_connections: http_cap,

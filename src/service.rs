@@ -32,6 +32,9 @@ pub struct Settings {
     pub on_backend_error: FailurePolicy,
     /// Every limit is a soft (quota-mode) limit.
     pub quota_mode: bool,
+    /// How long a caller that sets no deadline of its own (no `grpc-timeout`; `/json`) is
+    /// taken to wait: as long as a call may last at all.
+    pub request_timeout: Duration,
 }
 
 pub struct RateLimiter<B> {
@@ -63,10 +66,10 @@ impl<B: Backend> RateLimiter<B> {
         &self.backend
     }
 
-    /// Decide one request. `deadline` bounds the backend call: past it the failure policy
-    /// answers, while the caller still listens, and the backend charges nothing for a
-    /// decision it would take later. Too little time left to ask the backend at all is
-    /// answered by the policy at once.
+    /// Decide one request. `deadline` (the caller's; without one, the request timeout's)
+    /// bounds the backend call: past it the failure policy answers, while the caller still
+    /// listens, and the backend charges nothing for a decision it would take later. Too
+    /// little time left to ask the backend at all is answered by the policy at once.
     #[tracing::instrument(level = "trace", name = "should_rate_limit", skip_all, fields(domain = %request.domain))]
     pub async fn check(
         &self,
@@ -94,13 +97,15 @@ impl<B: Backend> RateLimiter<B> {
                 .backend
                 .evaluate(&plan.hits, self.settings.charging)
                 .instrument(span);
-            let evaluated = match deadline {
-                Some(deadline) if deadline.remaining() < MIN_BUDGET => Err(BackendError::Timeout),
-                Some(deadline) => deadline
+            let deadline =
+                deadline.unwrap_or_else(|| Deadline::for_call(self.settings.request_timeout));
+            let evaluated = if deadline.remaining() < MIN_BUDGET {
+                Err(BackendError::Timeout)
+            } else {
+                deadline
                     .bound(evaluate)
                     .await
-                    .unwrap_or(Err(BackendError::Timeout)),
-                None => evaluate.await,
+                    .unwrap_or(Err(BackendError::Timeout))
             };
             match evaluated {
                 Ok(outcomes) => outcomes,

@@ -1821,3 +1821,54 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     let remaining: Vec<u32> = counts.iter().map(|o| o.remaining).collect();
     assert_eq!(remaining, [0, 10, 9, 9]);
 }
+
+/// The Redis timeout bounds a call from when it is written; the time a request queues behind
+/// other calls counts only against its caller's deadline. One connection, Redis frozen: a
+/// call in flight, then a request of 256 hits (a call of its own), then a small one. Each
+/// call times out in turn, and the small request, written only after more than a call
+/// timeout in the queue, is answered by Redis once it thaws, instead of failing for time
+/// spent in turnstile's queue. The scripts that ran late charged nothing.
+#[tokio::test]
+async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
+    const TIMEOUT: Duration = Duration::from_millis(400);
+    let server = RedisServer::start();
+    let b = RedisBackend::connect(&RedisConfig {
+        connections: 1,
+        call_timeout: TIMEOUT,
+        ..config(vec![server.url()], RedisMode::Single, "queue:")
+    })
+    .await
+    .unwrap();
+    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
+    let send = |hits: Vec<Hit>| {
+        let b = b.clone();
+        let caller = Deadline::after(Duration::from_secs(10));
+        tokio::spawn(caller.scope(async move { b.evaluate(&hits, Charging::Atomic).await }))
+    };
+
+    server.freeze();
+    let first = send(vec![hit("first", ten_an_hour, 1)]);
+    sleep(TIMEOUT / 8).await;
+    let full = send(vec![hit("full", ten_an_hour, 0); 256]);
+    sleep(TIMEOUT / 8).await;
+    let started = Instant::now();
+    let small = send(vec![hit("small", ten_an_hour, 1)]);
+    // The first call times out at 1 timeout, the full one at 2; then the small one is sent.
+    sleep(TIMEOUT * 9 / 4).await;
+    server.thaw();
+    let (first, full, small) = (
+        first.await.unwrap(),
+        full.await.unwrap(),
+        small.await.unwrap(),
+    );
+    let waited = started.elapsed();
+    assert!(matches!(first, Err(BackendError::Timeout)), "{first:?}");
+    assert!(full.is_err(), "{full:?}");
+    let small = small.expect("the queued request is answered by Redis");
+    assert!(small[0].admitted && small[0].remaining == 9, "{small:?}");
+    assert!(waited > TIMEOUT * 3 / 2, "it waited {waited:?} in all");
+    let first_now = one(&b, &hit("first", ten_an_hour, 0)).await;
+    assert_eq!(first_now.remaining, 10, "{first_now:?}");
+}

@@ -145,7 +145,7 @@ pub(super) async fn call(
     let deadline = deadline.map(Deadline::instant);
     let lanes = &shared.lanes;
     let lane = lanes.lane(slot);
-    let until = deadline.map_or(Instant::now() + bound, |d| d.min(Instant::now() + bound));
+    let until = deadline.unwrap_or_else(|| Instant::now() + bound);
     let (answer, mut reply) = oneshot::channel();
     let written = Arc::new(Mutex::new(None));
     let hits = part.len();
@@ -245,15 +245,20 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
     let Some(first) = live.first() else {
         return Vec::new();
     };
-    let deadline = |r: &Request| r.deadline.and_then(|d| shared.clock.redis_time(d));
+    let bound = live.iter().map(|r| r.bound).max().unwrap_or_default();
+    let sent = Instant::now();
+    // A decision that starts once nobody waits for it any more charges nothing: not past its
+    // caller's deadline, nor past this call's bound, when the policy has answered instead.
+    let deadline = |r: &Request| {
+        let given_up = r.deadline.map_or(sent + bound, |d| d.min(sent + bound));
+        shared.clock.redis_time(given_up)
+    };
     let call = Call::new(
         live.iter()
             .map(|r| (&r.part, deadline(r).unwrap_or(0)))
             .collect(),
         first.at,
     );
-    let bound = live.iter().map(|r| r.bound).max().unwrap_or_default();
-    let sent = Instant::now();
     for request in &live {
         *lock(&request.written) = Some(sent);
     }

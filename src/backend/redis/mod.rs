@@ -244,10 +244,12 @@ impl Shared {
         }
     }
 
-    /// When the caller of a call starting now stops waiting: the call timeout, or the
-    /// caller's own deadline if sooner.
+    /// When the caller of a call starting now stops waiting: its own deadline (the service
+    /// always sets one), else the call timeout. Time queued here counts against the caller's
+    /// deadline only; a call, once written, is bounded by the call timeout, so a timeout
+    /// measures Redis and not turnstile's own queue.
     fn deadline(&self) -> Deadline {
-        Deadline::after(self.call_timeout).or_sooner()
+        Deadline::current().unwrap_or_else(|| Deadline::after(self.call_timeout))
     }
 }
 
