@@ -831,48 +831,35 @@ mod tests {
             .map(Handoff::serve_here)
             .collect();
         let mut clients = Vec::new();
-        // Each connection, accepted once the one before it is served: (thread it went to).
-        let mut served: Vec<(usize, Conn)> = Vec::new();
-        for _ in 0..4 {
+        // Connect, and see which thread serves the connection: (thread, connection).
+        let mut connect = async || {
             let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
             tokio::io::AsyncWriteExt::write_all(&mut client, PREFACE)
                 .await
                 .unwrap();
             clients.push(client);
             let (a, b) = threads.split_at_mut(1);
-            let conn = tokio::select! {
+            tokio::select! {
                 Some(conn) = a[0].next() => (0, conn),
                 Some(conn) = b[0].next() => (1, conn),
-            };
-            served.push(conn);
-        }
+            }
+        };
         let on = |served: &[(usize, Conn)], t| served.iter().filter(|(n, _)| *n == t).count();
+        let mut served = Vec::new();
+        for _ in 0..4 {
+            served.push(connect().await);
+        }
         assert_eq!((on(&served, 0), on(&served, 1)), (2, 2));
         // Two of thread 1's connections close: the next two go to it.
-        let mut kept = Vec::new();
-        let mut dropped = 0;
-        for (thread, conn) in served {
-            if thread == 1 && dropped < 2 {
-                dropped += 1;
-                drop(conn);
-            } else {
-                kept.push((thread, conn));
-            }
-        }
+        let first_of_1 = served.iter().position(|(t, _)| *t == 1).unwrap();
+        drop(served.remove(first_of_1));
+        let next_of_1 = served.iter().position(|(t, _)| *t == 1).unwrap();
+        drop(served.remove(next_of_1));
         for _ in 0..2 {
-            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
-            tokio::io::AsyncWriteExt::write_all(&mut client, PREFACE)
-                .await
-                .unwrap();
-            clients.push(client);
-            let (a, b) = threads.split_at_mut(1);
-            let conn = tokio::select! {
-                Some(conn) = a[0].next() => (0, conn),
-                Some(conn) = b[0].next() => (1, conn),
-            };
-            assert_eq!(conn.0, 1, "went to the busier thread");
-            kept.push(conn);
+            let (thread, conn) = connect().await;
+            assert_eq!(thread, 1, "went to the busier thread");
+            served.push((thread, conn));
         }
-        assert_eq!((on(&kept, 0), on(&kept, 1)), (2, 2));
+        assert_eq!((on(&served, 0), on(&served, 1)), (2, 2));
     }
 }
