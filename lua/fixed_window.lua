@@ -7,6 +7,11 @@
 -- count on the same keys during a migration.
 local layout = ...
 local separator = layout == 'reference' and '' or ':'
+-- In turnstile's layout a counter's key names its limit's window, so the expiry its first
+-- write gives it holds for every later one. The reference's keys do not: limits of one
+-- descriptor with different windows can share a counter, so there every charge sets the
+-- expiry again, as the reference server does.
+local every_charge_expires = layout == 'reference'
 local call, tonumber, format = redis.call, tonumber, string.format
 
 local function check(s, h)
@@ -20,8 +25,9 @@ local function check(s, h)
 end
 
 local function commit(s, h)
-  call('INCRBY', h.counter, h.cost_text)
-  call('PEXPIRE', h.counter, s.ttl)
+  if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
+    call('PEXPIRE', h.counter, s.ttl)
+  end
 end
 
 return {
@@ -36,6 +42,32 @@ return {
   end,
 
   check = check,
+
+  -- Check and charge in one command: INCRBY counts and reads at once. A cost above the limit,
+  -- refused unless the counter is below zero, is checked first instead, so no INCRBY can
+  -- overflow. Then the counter INCRBY creates (it counts just this cost) is admitted, and
+  -- gets its expiry; a refused one existed before, with its expiry, and gets its units back.
+  take = function(s, h, key, cost, cost_text)
+    if cost > s.limit then
+      h.key, h.cost, h.cost_text = key, cost, cost_text
+      local admitted, remaining, reset, stamp = check(s, h)
+      if admitted then
+        commit(s, h)
+      end
+      return admitted, remaining, reset, stamp
+    end
+    local counter = key .. s.suffix
+    local after = call('INCRBY', counter, cost_text)
+    if after > s.limit then
+      call('DECRBY', counter, cost_text)
+      return false, 0, s.reset, s.start
+    end
+    if after == cost or every_charge_expires then
+      call('PEXPIRE', counter, s.ttl)
+    end
+    h.counter, h.cost_text = counter, cost_text
+    return true, s.limit - after, s.reset, s.start
+  end,
 
   commit = commit,
 
