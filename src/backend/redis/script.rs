@@ -323,3 +323,63 @@ fn decode_hits(raw: &[i64]) -> Vec<Reply> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{Kind, Limit, Unit};
+    use ::redis::Arg;
+
+    /// Push an enforced hit of `limit` on `key` to `part`.
+    fn push(part: &mut Part, key: &str, limit: Limit, lease: Option<(LeaseOp, &str)>, cost: u64) {
+        let hit = Hit {
+            key: String::new(),
+            limit,
+            hits: cost,
+            role: Role::Enforce,
+            lease: lease.map(|(op, id)| (op, id.into())),
+        };
+        let stamp = (part.mode == Mode::Refund).then_some(7);
+        part.push(key.into(), &hit, cost, stamp, KeyLayout::Turnstile);
+    }
+
+    fn args(cmd: &Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                _ => panic!("a script call has no cursor"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_call_sends_each_spec_once_and_each_hit_as_its_index_cost_and_lease() {
+        let minute = Limit::fixed(10, Unit::Minute);
+        let leased = Limit {
+            algorithm: Kind::Concurrency,
+            ..minute
+        };
+        let mut first = Part::new(Mode::Atomic, "n1");
+        push(&mut first, "a", minute, None, 1);
+        push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
+        let mut second = Part::new(Mode::Refund, "n2");
+        push(&mut second, "c", minute, None, 0);
+        let call = Call::new(vec![(&first, 0), (&second, 5), (&first, 3)], None);
+        let expected = [
+            "EVALSHA sha 5 a b c a b",
+            // Redis time, the earliest deadline, two specs.
+            "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
+            // Three requests; their hits name specs 1 and 2, and a refund's carry a stamp.
+            "3 atomic n1 0 2 1 1 0 2 1 +r",
+            "refund n2 5 1 1 0 0 7",
+            "atomic n1 3 2 1 1 0 2 1 +r",
+        ];
+        let expected: Vec<&str> = expected.iter().flat_map(|l| l.split(' ')).collect();
+        assert_eq!(args(&call.command("EVALSHA", "sha")), expected);
+        let timed = Call::new(vec![(&second, 0)], Some(42));
+        assert_eq!(
+            args(&timed.command("EVALSHA", "sha"))[4..7],
+            ["42", "0", "1"]
+        );
+    }
+}
