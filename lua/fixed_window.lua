@@ -7,37 +7,80 @@
 -- count on the same keys during a migration.
 local layout = ...
 local separator = layout == 'reference' and '' or ':'
+-- In turnstile's layout a counter's key names its limit's window, so the expiry its first
+-- write gives it holds for every later one. The reference's keys do not: limits of one
+-- descriptor with different windows can share a counter, so there every charge sets the
+-- expiry again, as the reference server does.
+local every_charge_expires = layout == 'reference'
+local call, tonumber, format = redis.call, tonumber, string.format
+
+local function check(s, h)
+  local counter = h.key .. s.suffix
+  h.counter = counter
+  local after = tonumber(call('GET', counter) or '0') + h.cost
+  if after <= s.limit then
+    return true, s.limit - after, s.reset, s.start
+  end
+  return false, 0, s.reset, s.start
+end
+
+local function commit(s, h)
+  if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
+    call('PEXPIRE', h.counter, s.ttl)
+  end
+end
+
 return {
-  check = function(h, now)
-    local start = math.floor(math.floor(now / 1000000) / h.window) * h.window
-    local counter = h.key .. separator .. start
-    local after = tonumber(redis.call('GET', counter) or '0') + h.hits
-    local window_end = (start + h.window) * 1000000
-    local admitted = after <= h.limit
-    return {
-      admitted = admitted,
-      remaining = admitted and (h.limit - after) or 0,
-      reset = window_end - now,
-      counter = counter,
-      stamp = start,
-    }
+  -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
+  -- Its numbers are formatted here once ('%d' costs less than Lua's own number to text).
+  prepare = function(s, now)
+    local start = math.floor(math.floor(now / 1000000) / s.window) * s.window
+    s.start = start
+    s.suffix = separator .. format('%d', start)
+    s.reset = (start + s.window) * 1000000 - now
+    s.ttl = format('%d', math.ceil(s.reset / 1000))
   end,
 
-  commit = function(h, now, v)
-    redis.call('INCRBY', v.counter, h.hits)
-    redis.call('PEXPIRE', v.counter, math.ceil(v.reset / 1000))
+  check = check,
+
+  -- Check and charge in one command: INCRBY counts and reads at once. A cost above the limit,
+  -- refused unless the counter is below zero, is checked first instead, so no INCRBY can
+  -- overflow. Then the counter INCRBY creates (it counts just this cost) is admitted, and
+  -- gets its expiry; a refused one existed before, with its expiry, and gets its units back.
+  take = function(s, h, key, cost, cost_text)
+    if cost > s.limit then
+      h.key, h.cost, h.cost_text = key, cost, cost_text
+      local admitted, remaining, reset, stamp = check(s, h)
+      if admitted then
+        commit(s, h)
+      end
+      return admitted, remaining, reset, stamp
+    end
+    local counter = key .. s.suffix
+    local after = call('INCRBY', counter, cost_text)
+    if after > s.limit then
+      call('DECRBY', counter, cost_text)
+      return false, 0, s.reset, s.start
+    end
+    if after == cost or every_charge_expires then
+      call('PEXPIRE', counter, s.ttl)
+    end
+    h.counter, h.cost_text = counter, cost_text
+    return true, s.limit - after, s.reset, s.start
   end,
+
+  commit = commit,
 
   -- Within the charging call: take the charge back.
-  undo = function(h, now, v)
-    redis.call('DECRBY', v.counter, h.hits)
+  undo = function(s, h)
+    call('DECRBY', h.counter, h.cost_text)
   end,
 
   -- h.stamp is the window the charge went to, so a refund never lands in a later window.
-  refund = function(h, now)
+  refund = function(s, h)
     local counter = h.key .. separator .. h.stamp
-    if redis.call('EXISTS', counter) == 1 then
-      redis.call('DECRBY', counter, h.hits)
+    if call('EXISTS', counter) == 1 then
+      call('DECRBY', counter, h.cost_text)
     end
   end,
 }

@@ -153,14 +153,12 @@ EOF
 "$BIN" check --config "$RULES" >/dev/null
 declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
   [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
-# ARGV of one hit of each rule, as turnstile sends it: algorithm, limit, window s, burst,
-# cost, lease, role, stamp. turnstile sends an empty lease and stamp here; an empty word
-# cannot pass through redis-benchmark's arguments, and "0" means the same to the script (only
-# a lease starting with + or - does anything, and only a refund reads the stamp).
-declare -A HIT_ARGS=(
-  [fw]="fixed_window 1000000000 60 1000000000 1 0 e 0"
-  [sw]="sliding_window 10000 1 10000 1 0 e 0"
-  [tb]="token_bucket 1 1 1000000000 1 0 e 0"
+# The limit spec of each rule, as turnstile sends it (once per call): algorithm, limit,
+# window s, burst, role.
+declare -A SPEC_ARGS=(
+  [fw]="fixed_window 1000000000 60 1000000000 e"
+  [sw]="sliding_window 10000 1 10000 e"
+  [tb]="token_bucket 1 1 1000000000 e"
 )
 
 TS_PID="" GRPC=""
@@ -276,8 +274,9 @@ done
 # b. The ceiling: the same EVALSHA from redis-benchmark, same Redis, same key shapes.
 log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
 # evalsha_args RULE KEYS PER_CALL: the KEYS and ARGV of one call deciding PER_CALL requests
-# of one hit each, as coalescing sends them (request count, then per request: mode, nonce,
-# deadline 0, hit count 1, the hit). redis-benchmark draws every __rand_int__ afresh.
+# of one hit each, as coalescing sends them (Redis time, no deadline, the one spec, the
+# request count, then per request: mode, nonce, deadline 0, hit count 1, and the hit: spec 1,
+# cost 1, no lease). redis-benchmark draws every __rand_int__ afresh.
 evalsha_args() {
   local rule="$1" keys="$2" per_call="$3" key i
   if [ "$keys" = 1 ]; then
@@ -287,11 +286,9 @@ evalsha_args() {
   fi
   printf '%s\n' "$per_call"
   for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
-  printf '%s\n' "$per_call"
-  for i in $(seq "$per_call"); do
-    # shellcheck disable=SC2086 # HIT_ARGS is a word list on purpose
-    printf '%s\n' atomic "n__rand_int__" 0 1 ${HIT_ARGS[$rule]}
-  done
+  # shellcheck disable=SC2086 # SPEC_ARGS is a word list on purpose
+  printf '%s\n' 0 0 1 ${SPEC_ARGS[$rule]} "$per_call"
+  for i in $(seq "$per_call"); do printf '%s\n' atomic "n__rand_int__" 0 1 1 1 0; done
 }
 ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
   local rule="$1" keys="$2" n="$3" per_call="${4:-1}" range args
@@ -301,10 +298,12 @@ ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
     -r "$range" --csv EVALSHA "$SHA" "${args[@]}" |
     tail -1 | cut -d, -f2 | tr -d '"'
 }
-# The call must be one the script decides, not an error redis-benchmark would count as fast.
+# The call must be one the script decides, not an error redis-benchmark would count as fast:
+# two requests decided (1, then 4 values for the hit) and the time, 11 values.
 mapfile -t probe_args < <(evalsha_args fw 1 2)
-rcli EVALSHA "$SHA" "${probe_args[@]}" | grep -q ERR &&
-  { echo "the ceiling's EVALSHA fails:" >&2; rcli EVALSHA "$SHA" "${probe_args[@]}" >&2; exit 1; }
+probe="$(rcli EVALSHA "$SHA" "${probe_args[@]}")"
+[ "$(grep -c . <<<"$probe")" = 11 ] && ! grep -q ERR <<<"$probe" ||
+  { echo "the ceiling's EVALSHA does not decide:" >&2; echo "$probe" >&2; exit 1; }
 target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)
 for rule in fw sw tb; do
   for keys in 1 "$BIG"; do

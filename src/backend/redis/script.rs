@@ -7,6 +7,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
+use indexmap::IndexSet;
 
 use super::connect::Pool;
 use super::{KeyLayout, twins};
@@ -103,13 +104,31 @@ pub(super) fn nonce() -> String {
     (0..10).map(|_| fastrand::alphanumeric()).collect()
 }
 
+/// A limit as the script receives it: once per call, whatever number of hits share it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Spec {
+    algorithm: &'static str,
+    limit: u32,
+    window: u64,
+    burst: u32,
+    role: &'static str,
+}
+
+/// One hit of a part: its spec, cost, lease (`+<id>` taken, `-<id>` given back) and, for a
+/// refund, the stamp its charge replied.
+struct PartHit {
+    spec: Spec,
+    cost: u64,
+    lease: Option<String>,
+    stamp: i64,
+}
+
 /// One request's share of a script call: its mode, nonce and hits (see `lua/batch.lua`).
 pub(super) struct Part {
     mode: Mode,
     nonce: String,
     keys: Vec<String>,
-    /// 8 values per hit.
-    args: Vec<String>,
+    hits: Vec<PartHit>,
 }
 
 impl Part {
@@ -118,7 +137,7 @@ impl Part {
             mode,
             nonce: nonce.into(),
             keys: Vec::new(),
-            args: Vec::new(),
+            hits: Vec::new(),
         }
     }
 
@@ -132,22 +151,23 @@ impl Part {
         layout: KeyLayout,
     ) {
         let limit = &hit.limit;
-        let lease = match &hit.lease {
-            Some((LeaseOp::Acquire, id)) => format!("+{id}"),
-            Some((LeaseOp::Release, id)) => format!("-{id}"),
-            None => String::new(),
-        };
+        let lease = hit.lease.as_ref().map(|(op, id)| match op {
+            LeaseOp::Acquire => format!("+{id}"),
+            LeaseOp::Release => format!("-{id}"),
+        });
         self.keys.push(key);
-        self.args.extend([
-            layout.script_algorithm(limit).into(),
-            limit.requests_per_unit.to_string(),
-            limit.window.to_string(),
-            limit.burst.to_string(),
-            hits.to_string(),
+        self.hits.push(PartHit {
+            spec: Spec {
+                algorithm: layout.script_algorithm(limit),
+                limit: limit.requests_per_unit,
+                window: limit.window,
+                burst: limit.burst,
+                role: role_letter(hit.role),
+            },
+            cost: hits,
             lease,
-            role_letter(hit.role).into(),
-            stamp.map(|stamp| stamp.to_string()).unwrap_or_default(),
-        ]);
+            stamp: stamp.unwrap_or_default(),
+        });
     }
 
     /// How many hits it carries.
@@ -169,30 +189,64 @@ pub(super) struct Call<'a> {
     /// The time to decide at instead of Redis TIME (differential tests only; see
     /// `RedisBackend::evaluate_at`).
     at: Option<Micros>,
+    /// The parts' deadlines' earliest (0: none).
+    earliest: i64,
+    /// The hits' distinct specs, in order of first use.
+    specs: IndexSet<Spec>,
+    /// Each hit's spec, as its index in `specs`, part after part.
+    spec_of: Vec<usize>,
 }
 
 impl<'a> Call<'a> {
     pub(super) fn new(parts: Vec<(&'a Part, i64)>, at: Option<Micros>) -> Call<'a> {
-        Call { parts, at }
+        let earliest = parts.iter().map(|&(_, d)| d).filter(|&d| d > 0).min();
+        let mut specs = IndexSet::new();
+        let spec_of = parts
+            .iter()
+            .flat_map(|(part, _)| &part.hits)
+            .map(|hit| specs.insert_full(hit.spec).0)
+            .collect();
+        Call {
+            parts,
+            at,
+            earliest: earliest.unwrap_or(0),
+            specs,
+            spec_of,
+        }
     }
 
     fn command(&self, verb: &str, script: &str) -> Cmd {
         let mut cmd = ::redis::cmd(verb);
-        let keys: usize = self.parts.iter().map(|(part, _)| part.len()).sum();
-        cmd.arg(script).arg(keys);
+        cmd.arg(script).arg(self.spec_of.len());
         for (part, _) in &self.parts {
             cmd.arg(&part.keys);
         }
+        cmd.arg(self.at.unwrap_or(0))
+            .arg(self.earliest)
+            .arg(self.specs.len());
+        for spec in &self.specs {
+            cmd.arg(spec.algorithm)
+                .arg(spec.limit)
+                .arg(spec.window)
+                .arg(spec.burst)
+                .arg(spec.role);
+        }
         cmd.arg(self.parts.len());
+        let mut spec_of = self.spec_of.iter();
         for (part, deadline) in &self.parts {
             cmd.arg(part.mode.name())
                 .arg(&part.nonce)
                 .arg(*deadline)
-                .arg(part.len())
-                .arg(&part.args);
-        }
-        if let Some(at) = self.at {
-            cmd.arg(at);
+                .arg(part.len());
+            for (hit, spec) in part.hits.iter().zip(&mut spec_of) {
+                // Specs count from 1 in Lua; "0" is no lease.
+                cmd.arg(spec + 1)
+                    .arg(hit.cost)
+                    .arg(hit.lease.as_deref().unwrap_or("0"));
+                if part.mode == Mode::Refund {
+                    cmd.arg(hit.stamp);
+                }
+            }
         }
         cmd
     }
@@ -268,4 +322,64 @@ fn decode_hits(raw: &[i64]) -> Vec<Reply> {
             stamp: r[3],
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{Kind, Limit, Unit};
+    use ::redis::Arg;
+
+    /// Push an enforced hit of `limit` on `key` to `part`.
+    fn push(part: &mut Part, key: &str, limit: Limit, lease: Option<(LeaseOp, &str)>, cost: u64) {
+        let hit = Hit {
+            key: String::new(),
+            limit,
+            hits: cost,
+            role: Role::Enforce,
+            lease: lease.map(|(op, id)| (op, id.into())),
+        };
+        let stamp = (part.mode == Mode::Refund).then_some(7);
+        part.push(key.into(), &hit, cost, stamp, KeyLayout::Turnstile);
+    }
+
+    fn args(cmd: &Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                _ => panic!("a script call has no cursor"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_call_sends_each_spec_once_and_each_hit_as_its_index_cost_and_lease() {
+        let minute = Limit::fixed(10, Unit::Minute);
+        let leased = Limit {
+            algorithm: Kind::Concurrency,
+            ..minute
+        };
+        let mut first = Part::new(Mode::Atomic, "n1");
+        push(&mut first, "a", minute, None, 1);
+        push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
+        let mut second = Part::new(Mode::Refund, "n2");
+        push(&mut second, "c", minute, None, 0);
+        let call = Call::new(vec![(&first, 0), (&second, 5), (&first, 3)], None);
+        let expected = [
+            "EVALSHA sha 5 a b c a b",
+            // Redis time, the earliest deadline, two specs.
+            "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
+            // Three requests; their hits name specs 1 and 2, and a refund's carry a stamp.
+            "3 atomic n1 0 2 1 1 0 2 1 +r",
+            "refund n2 5 1 1 0 0 7",
+            "atomic n1 3 2 1 1 0 2 1 +r",
+        ];
+        let expected: Vec<&str> = expected.iter().flat_map(|l| l.split(' ')).collect();
+        assert_eq!(args(&call.command("EVALSHA", "sha")), expected);
+        let timed = Call::new(vec![(&second, 0)], Some(42));
+        assert_eq!(
+            args(&timed.command("EVALSHA", "sha"))[4..7],
+            ["42", "0", "1"]
+        );
+    }
 }

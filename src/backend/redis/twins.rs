@@ -2,13 +2,24 @@
 //! calls it by.
 //!
 //! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
-//! functions (`check`, `commit`, `undo`, `refund`), given its key layout as argument. Here
-//! each is wrapped in a function, defined before the driver's `ALGORITHMS` table exists (so a
-//! twin cannot register itself, under its own name or another), and bound once per layout it
-//! serves under `KeyLayout::script_name`, the very name a call asks for. A call makes only
-//! the twins its hits use (the first lookup of a name makes its table), which costs less
-//! than making them all; a name nothing is bound to, or a twin that returns no table, is an
-//! error naming it.
+//! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
+//! burst and role one or more hits share) and a hit `h` (its key, cost, lease, nonce and
+//! index), and every verdict is four values: admitted, remaining, reset (us) and stamp.
+//! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
+//! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
+//! back in a later call. An optional `take(s, h, key, cost, cost_text)` checks a hit that
+//! costs something and holds no lease, and charges it if admitted, in fewer commands than
+//! check and commit; it gets the hit's values as arguments, and `h` only to keep what `undo`
+//! needs. A twin keeps in `s` and `h` what its own functions need later; the driver never
+//! reads it.
+//!
+//! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
+//! exists (so a twin cannot register itself, under its own name or another), and bound once
+//! per layout it serves under `KeyLayout::script_name`, the very name a call asks for. A
+//! call makes only the twins its hits use (the first lookup of a name makes its table), which
+//! costs less than making them all; a name nothing is bound to, or a twin that returns no
+//! table, is an error naming it. The binding is code, not a table of twins: the script runs
+//! afresh on every call, and every table it builds is work for Redis' Lua.
 
 use std::fmt::Write;
 
@@ -28,18 +39,28 @@ fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
     bound
 }
 
-/// Makes a twin's table on the first lookup of its name in `ALGORITHMS`.
-const MAKE_ON_LOOKUP: &str = "\
+/// Makes a twin's table on the first lookup of its name in `ALGORITHMS`: the branches
+/// binding each name (`bind`) go between the two halves.
+const LOOKUP: [&str; 2] = [
+    "\
 local ALGORITHMS = setmetatable({}, {
   __index = function(made, name)
-    local twin = TWINS[name] or error('no Lua twin is bound to ' .. tostring(name))
-    local algorithm = twin[1](twin[2])
-      or error('the Lua twin of ' .. name .. ' returned nothing')
-    made[name] = algorithm
-    return algorithm
+    local twin
+",
+    "    else error('no Lua twin is bound to ' .. tostring(name)) end
+    made[name] = twin or error('the Lua twin of ' .. name .. ' returned nothing')
+    return twin
   end,
 })
-";
+",
+];
+
+/// The branch of `LOOKUP` that binds `name` (the `n`-th binding) to its twin and layout.
+fn bind(n: usize, name: &str, kind: Kind, layout: KeyLayout) -> String {
+    let branch = if n == 0 { "if" } else { "elseif" };
+    let (twin, layout) = (kind.name(), layout.lua_name());
+    format!("    {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
+}
 
 /// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
 pub(super) fn script(driver: &str) -> String {
@@ -49,17 +70,11 @@ pub(super) fn script(driver: &str) -> String {
         source.push_str(kind.lua());
         source.push_str("\nend\n");
     }
-    source.push_str("local TWINS = {\n");
-    for (name, kind, layout) in bindings() {
-        let _ = writeln!(
-            source,
-            "  [{name:?}] = {{{}_twin, {:?}}},",
-            kind.name(),
-            layout.lua_name()
-        );
+    source.push_str(LOOKUP[0]);
+    for (n, (name, kind, layout)) in bindings().into_iter().enumerate() {
+        source.push_str(&bind(n, name, kind, layout));
     }
-    source.push_str("}\n");
-    source.push_str(MAKE_ON_LOOKUP);
+    source.push_str(LOOKUP[1]);
     source.push_str(driver);
     source
 }
@@ -74,8 +89,8 @@ mod tests {
         for kind in Kind::ALL {
             for layout in KeyLayout::ALL {
                 let name = layout.script_name(kind);
-                let twin = format!("{}_twin, {:?}", kind.name(), layout.of(kind).lua_name());
-                let binding = format!("  [{name:?}] = {{{twin}}},\n");
+                let twin = format!("{}_twin({:?})", kind.name(), layout.of(kind).lua_name());
+                let binding = format!(" name == {name:?} then twin = {twin}\n");
                 assert!(script.contains(&binding), "{kind} in {layout:?}: {binding}");
             }
         }
@@ -85,15 +100,16 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with("})\n-- driver"));
+        assert!(script.ends_with("  end,\n})\n-- driver"));
     }
 
     #[test]
-    fn no_twin_names_the_tables_binding_them() {
+    fn no_twin_names_the_table_binding_them() {
         for kind in Kind::ALL {
-            for table in ["ALGORITHMS", "TWINS"] {
-                assert!(!kind.lua().contains(table), "{kind} names {table}");
-            }
+            assert!(
+                !kind.lua().contains("ALGORITHMS"),
+                "{kind} names ALGORITHMS"
+            );
         }
     }
 }
