@@ -140,7 +140,12 @@ impl Handoff {
             port,
         } = self;
         tokio::spawn(async move {
-            while let Some(next) = accepted.recv().await {
+            // Ends once the server drops its stream, so that the listener closes once every
+            // serving thread stopped taking connections.
+            while let Some(next) = tokio::select! {
+                () = ready.closed() => None,
+                next = accepted.recv() => next,
+            } {
                 match TcpStream::from_std(next.stream) {
                     Ok(stream) => {
                         let handshake = handshake(port.clone(), stream, next.peer, ready.clone());

@@ -1400,8 +1400,16 @@ async fn sigterm_drains_calls_in_flight_and_reports_not_serving() {
         "health reports the shutdown"
     );
     drop(watch);
+    // Health reports the shutdown first; the port closes right after.
+    let closed = async {
+        while tokio::net::TcpStream::connect(t.grpc).await.is_ok() {
+            sleep(Duration::from_millis(10)).await;
+        }
+    };
     assert!(
-        tokio::net::TcpStream::connect(t.grpc).await.is_err(),
+        tokio::time::timeout(Duration::from_secs(2), closed)
+            .await
+            .is_ok(),
         "no new connection once stopping"
     );
     assert!(t.alive(), "the call in flight holds the process");
