@@ -112,10 +112,7 @@ fn decision(c: &mut Criterion) {
         Arc::new(ActiveRules::new(rules())),
         MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
         Fallback::new(1.0, 1_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
-        Settings {
-            request_timeout: std::time::Duration::from_secs(1),
-            ..Settings::default()
-        },
+        Settings::default(),
         Arc::new(Metrics::new(0.8, 10_000)),
     );
     let mut group = c.benchmark_group("check_memory_10k_rules");

@@ -23,7 +23,7 @@ use crate::plan::{Decision, Plan};
 use crate::request::{Bounds, CheckRequest};
 use crate::response::{self, ResponseSettings};
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Settings {
     pub bounds: Bounds,
     pub charging: Charging,
@@ -35,6 +35,20 @@ pub struct Settings {
     /// How long a caller that sets no deadline of its own (no `grpc-timeout`; `/json`) is
     /// taken to wait: as long as a call may last at all.
     pub request_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            bounds: Bounds::default(),
+            charging: Charging::default(),
+            response: ResponseSettings::default(),
+            on_backend_error: FailurePolicy::default(),
+            quota_mode: false,
+            // The command line's default: a zero here would time every decision out.
+            request_timeout: Duration::from_secs(1),
+        }
+    }
 }
 
 pub struct RateLimiter<B> {
