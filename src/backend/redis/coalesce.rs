@@ -29,6 +29,7 @@ use tokio::runtime::{Handle, Runtime};
 use tokio::sync::oneshot;
 
 use super::Shared;
+use super::mailbox::{Mailbox, Post, RequestAnswer};
 use super::script::{self, Call, Part, Reply};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
@@ -123,7 +124,9 @@ struct Request {
     bound: Duration,
     /// When its call was written.
     written: Arc<Mutex<Option<Instant>>>,
-    answer: oneshot::Sender<Result<Vec<Reply>, BackendError>>,
+    answer: oneshot::Sender<RequestAnswer>,
+    /// Where the answer goes: its caller's thread's mailbox, if it has one.
+    mailbox: Option<Arc<Mailbox>>,
     /// Sent again once already, after Redis' clock turned out ahead of the estimate.
     retried: bool,
 }
@@ -156,6 +159,7 @@ pub(super) async fn call(
         bound,
         written: Arc::clone(&written),
         answer,
+        mailbox: Mailbox::here(),
         retried: false,
     };
     let batch = {
@@ -232,16 +236,24 @@ async fn drive(shared: Arc<Shared>, lane: Arc<Lane>, mut batch: Vec<Request>) {
 async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
     let now = Instant::now();
     let mut live = Vec::with_capacity(batch.len());
+    // Answers go out together when their post is dropped: these before the call.
+    let mut late = Post::default();
     for request in batch {
         if request.answer.is_closed() {
             continue;
         }
         if request.deadline.is_some_and(|d| d <= now) {
-            let _ = request.answer.send(Err(BackendError::Late));
+            late.send(
+                request.mailbox.as_ref(),
+                request.answer,
+                Err(BackendError::Late),
+            );
             continue;
         }
         live.push(request);
     }
+    drop(late);
+    let mut post = Post::default();
     let Some(first) = live.first() else {
         return Vec::new();
     };
@@ -279,13 +291,13 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
                 } else {
                     BackendError::Late
                 };
-                let _ = request.answer.send(Err(err));
+                post.send(request.mailbox.as_ref(), request.answer, Err(err));
             }
             return Vec::new();
         }
         Err(err) => {
             for request in live {
-                let _ = request.answer.send(Err(err.clone()));
+                post.send(request.mailbox.as_ref(), request.answer, Err(err.clone()));
             }
             return Vec::new();
         }
@@ -294,7 +306,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
     for (mut request, replies) in live.into_iter().zip(answer.replies) {
         match replies {
             Some(replies) => {
-                let _ = request.answer.send(Ok(replies));
+                post.send(request.mailbox.as_ref(), request.answer, Ok(replies));
             }
             // Judged late by the script while its caller still waits: Redis' clock is ahead
             // of the estimate, which restarts from this reply; the request goes once more.
@@ -303,7 +315,11 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
                 again.push(request);
             }
             None => {
-                let _ = request.answer.send(Err(BackendError::Late));
+                post.send(
+                    request.mailbox.as_ref(),
+                    request.answer,
+                    Err(BackendError::Late),
+                );
             }
         }
     }

@@ -14,6 +14,7 @@ mod cluster;
 mod coalesce;
 mod connect;
 mod layout;
+mod mailbox;
 mod script;
 mod sentinel;
 mod twins;
