@@ -326,8 +326,9 @@ pub struct ServeArgs {
     /// PEM CA bundle: when set, clients must present a certificate it signed (mTLS).
     #[arg(long, env = "GRPC_CLIENT_TLS_CACERT", requires = "grpc_tls_cert")]
     pub grpc_client_ca: Option<PathBuf>,
-    /// Threads serving gRPC, each with the connections it was given (0: one per CPU). A
-    /// connection stays on one thread, so a call wakes no other thread.
+    /// Threads serving gRPC, each with the connections it was given (0: one per CPU, less one
+    /// for the Redis backend's I/O thread). A connection stays on one thread, so a call wakes
+    /// no other thread.
     #[arg(long, env = "TURNSTILE_GRPC_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
     pub grpc_threads: u16,
     /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED.
@@ -560,11 +561,26 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// How many threads serve gRPC.
+    /// The backend that decides: as named, else Redis if a Redis URL is given (the
+    /// reference's default backend is Redis: a deployment that names a Redis and no backend
+    /// keeps using it), else memory.
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.unwrap_or(if self.redis_url.is_some() {
+            BackendKind::Redis
+        } else {
+            BackendKind::Memory
+        })
+    }
+
+    /// How many threads serve gRPC: as many as asked, else one per CPU, less the one the
+    /// Redis backend's I/O thread keeps busy (measured: with a thread per CPU besides it,
+    /// their hand-overs cost more CPU per call than the extra thread serves).
     pub fn grpc_threads(&self) -> usize {
-        match self.grpc_threads {
-            0 => std::thread::available_parallelism().map_or(1, usize::from),
-            n => usize::from(n),
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        match (self.grpc_threads, self.backend_kind()) {
+            (0, BackendKind::Memory) => cpus,
+            (0, BackendKind::Redis) => cpus.saturating_sub(1).max(1),
+            (n, _) => usize::from(n),
         }
     }
 
@@ -593,5 +609,37 @@ impl ServeArgs {
     pub fn http_addr(&self) -> SocketAddr {
         self.http_addr
             .unwrap_or(SocketAddr::new(self.http_host, self.http_port))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn serve(args: &[&str]) -> Box<ServeArgs> {
+        let line = ["turnstile", "serve"].iter().chain(args).copied();
+        match Cli::try_parse_from(line).unwrap().command {
+            Command::Serve(serve) => serve,
+            _ => unreachable!("a serve command line"),
+        }
+    }
+
+    #[test]
+    fn serving_threads_leave_the_redis_backend_a_cpu_for_its_io_thread() {
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        for (args, threads) in [
+            (&[][..], cpus),
+            (&["--backend", "memory"][..], cpus),
+            (&["--backend", "redis"][..], cpus.saturating_sub(1).max(1)),
+            (
+                &["--redis-url", "redis://127.0.0.1:1"][..],
+                cpus.saturating_sub(1).max(1),
+            ),
+            (&["--backend", "redis", "--grpc-threads", "3"][..], 3),
+            (&["--grpc-threads", "1"][..], 1),
+        ] {
+            assert_eq!(serve(args).grpc_threads(), threads, "{args:?}");
+        }
     }
 }

@@ -253,13 +253,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             (rules, Box::pin(client.run()))
         }
     };
-    // The reference's default backend is Redis: a deployment that names a Redis and no
-    // backend keeps using Redis.
-    let backend = args.backend.unwrap_or(if args.redis_url.is_some() {
-        BackendKind::Redis
-    } else {
-        BackendKind::Memory
-    });
+    let backend = args.backend_kind();
     let stack = StackConfig {
         breaker: BreakerConfig {
             failures_to_open: args.breaker_failures,
