@@ -164,16 +164,17 @@ for _ = 1, requests do
       local index, cost_text = ARGV[a + 1], ARGV[a + 2]
       local s = specs[numbers[index] or number(index)] or error('no spec ' .. index)
       local cost = numbers[cost_text] or number(cost_text)
-      local take, admitted, remaining, reset, stamp, took = s.take
+      local lease, take, admitted, remaining, reset, stamp, took = ARGV[a + 3], s.take
       k = k + 1
-      if take and cost > 0 and ARGV[a + 3] == '0' then
+      if take and cost > 0 and lease == '0' then
         admitted, remaining, reset, stamp = take(s, KEYS[k], cost, cost_text)
         took = admitted
       end
       if admitted == nil then
         local h, twin = load(i, a, k, nonce), s.twin
         admitted, remaining, reset, stamp = twin.check(s, h, now)
-        if byte(h.lease) == GIVE then
+        -- Comparing texts costs less than calling byte; most hits hold no lease.
+        if lease ~= '0' and byte(lease) == GIVE then
           twin.commit(s, h, now)
         elseif admitted and cost > 0 then
           twin.commit(s, h, now)
