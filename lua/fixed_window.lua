@@ -32,29 +32,25 @@ end
 
 return {
   -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
-  -- Its numbers are formatted here once ('%d' costs less than Lua's own number to text).
+  -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text).
   prepare = function(s, now)
     local start = math.floor(math.floor(now / 1000000) / s.window) * s.window
     s.start = start
     s.suffix = separator .. format('%d', start)
     s.reset = (start + s.window) * 1000000 - now
-    s.ttl = format('%d', math.ceil(s.reset / 1000))
+    s.ttl = math.ceil(s.reset / 1000)
   end,
 
   check = check,
 
   -- Check and charge in one command: INCRBY counts and reads at once. A cost above the limit,
-  -- refused unless the counter is below zero, is checked first instead, so no INCRBY can
-  -- overflow. Then the counter INCRBY creates (it counts just this cost) is admitted, and
-  -- gets its expiry; a refused one existed before, with its expiry, and gets its units back.
-  take = function(s, h, key, cost, cost_text)
+  -- refused unless the counter is below zero, is left to check and commit (take declines it),
+  -- so no INCRBY can overflow. Then the counter INCRBY creates (it counts just this cost) is
+  -- admitted, and gets its expiry; a refused one existed before, with its expiry, and gets
+  -- its units back.
+  take = function(s, key, cost, cost_text)
     if cost > s.limit then
-      h.key, h.cost, h.cost_text = key, cost, cost_text
-      local admitted, remaining, reset, stamp = check(s, h)
-      if admitted then
-        commit(s, h)
-      end
-      return admitted, remaining, reset, stamp
+      return
     end
     local counter = key .. s.suffix
     local after = call('INCRBY', counter, cost_text)
@@ -65,7 +61,6 @@ return {
     if after == cost or every_charge_expires then
       call('PEXPIRE', counter, s.ttl)
     end
-    h.counter, h.cost_text = counter, cost_text
     return true, s.limit - after, s.reset, s.start
   end,
 
@@ -73,7 +68,7 @@ return {
 
   -- Within the charging call: take the charge back.
   undo = function(s, h)
-    call('DECRBY', h.counter, h.cost_text)
+    call('DECRBY', h.key .. s.suffix, h.cost_text)
   end,
 
   -- h.stamp is the window the charge went to, so a refund never lands in a later window.

@@ -7,19 +7,21 @@
 //! index), and every verdict is four values: admitted, remaining, reset (us) and stamp.
 //! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
 //! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
-//! back in a later call. An optional `take(s, h, key, cost, cost_text)` checks a hit that
-//! costs something and holds no lease, and charges it if admitted, in fewer commands than
-//! check and commit; it gets the hit's values as arguments, and `h` only to keep what `undo`
-//! needs. A twin keeps in `s` and `h` what its own functions need later; the driver never
-//! reads it.
+//! back in a later call. An optional `take(s, key, cost, cost_text)` checks a hit that costs
+//! something and holds no lease, and charges it if admitted, in fewer commands than check
+//! and commit; it gets the hit's values as arguments (no hit table is filled for it), may
+//! decline a hit by returning nothing (the driver then checks and commits it), and leaves
+//! nothing for `undo`, which gets the hit in `h` like the others. A twin keeps in `s` and `h`
+//! what its own functions need later; the driver never reads it.
 //!
 //! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
-//! exists (so a twin cannot register itself, under its own name or another), and bound once
-//! per layout it serves under `KeyLayout::script_name`, the very name a call asks for. A
-//! call makes only the twins its hits use (the first lookup of a name makes its table), which
-//! costs less than making them all; a name nothing is bound to, or a twin that returns no
-//! table, is an error naming it. The binding is code, not a table of twins: the script runs
-//! afresh on every call, and every table it builds is work for Redis' Lua.
+//! and `algorithm` function exist (so a twin cannot register itself, under its own name or
+//! another), and bound once per layout it serves under `KeyLayout::script_name`, the very
+//! name a call asks for. A call makes only the twins its hits use (`algorithm(name)` makes
+//! one, the first time a call asks for it), which costs less than making them all; a name
+//! nothing is bound to, or a twin that returns no table, is an error naming it. The binding
+//! is code, not a table of twins: the script runs afresh on every call, and every table it
+//! builds is work for Redis' Lua.
 
 use std::fmt::Write;
 
@@ -39,19 +41,19 @@ fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
     bound
 }
 
-/// Makes a twin's table on the first lookup of its name in `ALGORITHMS`: the branches
-/// binding each name (`bind`) go between the two halves.
+/// `algorithm(name)` makes a twin's table and keeps it in `ALGORITHMS` for the call's later
+/// specs (the driver looks there first): the branches binding each name (`bind`) go between
+/// the two halves. A plain table and function cost less than a metatable's `__index`.
 const LOOKUP: [&str; 2] = [
     "\
-local ALGORITHMS = setmetatable({}, {
-  __index = function(made, name)
-    local twin
+local ALGORITHMS = {}
+local function algorithm(name)
+  local twin
 ",
-    "    else error('no Lua twin is bound to ' .. tostring(name)) end
-    made[name] = twin or error('the Lua twin of ' .. name .. ' returned nothing')
-    return twin
-  end,
-})
+    "  else error('no Lua twin is bound to ' .. tostring(name)) end
+  ALGORITHMS[name] = twin or error('the Lua twin of ' .. name .. ' returned nothing')
+  return twin
+end
 ",
 ];
 
@@ -59,7 +61,7 @@ local ALGORITHMS = setmetatable({}, {
 fn bind(n: usize, name: &str, kind: Kind, layout: KeyLayout) -> String {
     let branch = if n == 0 { "if" } else { "elseif" };
     let (twin, layout) = (kind.name(), layout.lua_name());
-    format!("    {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
+    format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
 /// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
@@ -100,7 +102,7 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with("  end,\n})\n-- driver"));
+        assert!(script.ends_with("  return twin\nend\n-- driver"));
     }
 
     #[test]
