@@ -18,7 +18,8 @@
 //! runtime's verdict). So does a call that timed out while the I/O runtime itself was kept
 //! from running (a machine short of CPU: Redis' answer may have waited for us). A queued
 //! request whose deadline passed, or whose caller left, is never sent: it could only charge
-//! for nothing.
+//! for nothing. A call's answers go back to the threads that asked through their mailboxes
+//! (`mailbox`): one wake-up per thread per call, not one per request.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
