@@ -455,7 +455,6 @@ async fn run<B: Backend>(
                     .and_then(|runtime| {
                         // The handoff registers sockets with the runtime it is taken on.
                         runtime.block_on(async move {
-                            tokio::spawn(timer_anchor());
                             router
                                 .serve_with_incoming_shutdown(
                                     handoff.serve_here(),
@@ -516,25 +515,6 @@ async fn run<B: Backend>(
 
 /// gRPC TLS from the certificate files, with client verification when a CA is given; HTTP/2
 /// only, as gRPC.
-/// How often a serving thread's timer anchor fires: sooner than the deadlines of its calls
-/// (Envoy's filter timeout is 20 ms by default), and seldom enough to cost nothing idle.
-const TIMER_ANCHOR: Duration = Duration::from_millis(10);
-
-/// Keeps a timer on this thread that is due within [`TIMER_ANCHOR`], for as long as it runs.
-///
-/// Each call arms timers (its deadline, gRPC's own). Tokio wakes the thread's event loop (a
-/// system call) for every new timer due sooner than all it knew when it last slept, which is
-/// every timer when it slept with none, as an idle thread does. With this one always due
-/// soon, a call's timers are never the soonest, and arm without a system call: about one
-/// write per call less (measured in BENCHMARKS.md).
-async fn timer_anchor() {
-    let mut tick = tokio::time::interval(TIMER_ANCHOR);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-    }
-}
-
 fn tls_acceptor(args: &ServeArgs) -> anyhow::Result<Option<TlsAcceptor>> {
     let (Some(cert), Some(key)) = (&args.grpc_tls_cert, &args.grpc_tls_key) else {
         if args.grpc_tls {
