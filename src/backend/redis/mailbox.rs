@@ -102,7 +102,7 @@ pub(super) struct Post {
 }
 
 impl Post {
-    /// RequestAnswer `request` now if it has no mailbox, else at [`Post::deliver`].
+    /// Answer `request` now if it has no open mailbox, else when the post is dropped.
     pub(super) fn send(
         &mut self,
         mailbox: Option<&Arc<Mailbox>>,
