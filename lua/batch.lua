@@ -12,10 +12,16 @@
 --   3. the number of limit specs, then 5 values per spec: algorithm, limit, window seconds,
 --      burst, and the role ('e' enforce, 's' shadow, 'q' quota). A call sends each distinct
 --      spec once, however many of its hits use it;
---   then the number of requests, then per request its mode, nonce, deadline and number of
---   hits, then per hit: its spec's index (from 1), cost, and lease ('+<id>' taken, '-<id>'
---   given back, '0' none: concurrency limits only), plus, in 'refund' mode only, the stamp
---   the charging call replied.
+--   then the number of requests, then per request:
+--   - its shape: its mode's letter ('a' atomic, 'e' each, 'c' check, 'r' refund), then per
+--     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease. Requests
+--     alike in all of these (most of a call's) send the same text, read once per call;
+--   - its ticket, '<nonce> <deadline>', read only where needed: the nonce names
+--     sliding-window entries, the deadline matters to a call started late;
+--   - then per hit, in order: its lease if it carries one ('+<id>' taken, '-<id>' given back:
+--     concurrency limits only), and in a refund the stamp the charging call replied.
+--   Every value a request sends beyond a key costs Redis about as much as a small decision's
+--   Lua, so what requests share travels in text they share.
 -- A lease given back always applies: its request is over. A refund passes every hit of the
 -- charging call, in the same order (members are named after their index), with cost 0 for
 -- the hits that were not charged. The call's shape is checked before anything is written.
@@ -36,15 +42,17 @@
 -- none). A decision that starts past it is taken for nobody: the request charges nothing (a
 -- refund has no deadline: it must always apply).
 --
--- Replies, per request: 1 then 4 integers per hit (admitted 1/0, remaining, microseconds until
--- reset (admitted) or retry (refused), and a stamp identifying where the charge went); or 0
--- alone for a request past its deadline; or 1 alone for a refund. Then, always last, the
--- script's time (microseconds), from which turnstile learns Redis' clock.
+-- Replies, per request: 1 then per hit its remaining when admitted or -1 - remaining when
+-- refused, and the microseconds until reset (admitted) or retry (refused), plus, in 'each'
+-- mode only, a stamp identifying where the charge went (what a refund needs); or 0 alone for
+-- a request past its deadline; or 1 alone for a refund. Then, always last, the script's time
+-- (microseconds), from which turnstile learns Redis' clock.
 --
 -- All of this runs for every decision on Redis' one thread, so the work per hit is kept
 -- small: no table is made per hit or per verdict, and numbers go to Redis as the text they
 -- came in or were formatted in once per call.
-local ARGV, KEYS, byte = ARGV, KEYS, string.byte
+local ARGV, KEYS, byte, find, sub = ARGV, KEYS, string.byte, string.find, string.sub
+local match, gmatch = string.match, string.gmatch
 local GIVE = byte('-')
 
 -- A text becomes a number through strtod; the same few texts (costs, counts, spec indices)
@@ -59,21 +67,6 @@ local function number(text)
   return value
 end
 
--- Every key must be some hit's, and every value some field's.
-local spec_count = numbers[ARGV[3]] or number(ARGV[3])
-local a = 3 + 5 * spec_count + 1
-local requests, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
-for _ = 1, requests do
-  local text = ARGV[a + 4]
-  local count = numbers[text] or number(text)
-  k = k + count
-  a = a + 4 + count * (ARGV[a + 1] == 'refund' and 4 or 3)
-end
-if k ~= #KEYS or a ~= #ARGV then
-  error('the call names ' .. k .. ' hits for ' .. #KEYS .. ' keys, and ' .. a .. ' of '
-    .. #ARGV .. ' values')
-end
-
 -- The first two values are compared as text before any is parsed: parsing costs more.
 local now
 if ARGV[1] == '0' then
@@ -86,6 +79,7 @@ end
 local late = ARGV[2] ~= '0' and now > ARGV[2] + 0
 
 -- Each spec's twin works out once what all its hits share in this call (`prepare`).
+local spec_count = numbers[ARGV[3]] or number(ARGV[3])
 local specs = {}
 for s = 1, spec_count do
   local b = 3 + 5 * (s - 1)
@@ -104,25 +98,84 @@ for s = 1, spec_count do
   specs[s] = spec
 end
 
+-- Every key must be some hit's, and every value some field's; each request's shape is read
+-- here, the first time a call meets its text, into what its requests share, as one flat
+-- table (a table per field, or a function to read it, would cost more): its mode's letter,
+-- hit count and how many values follow the ticket, then per hit its spec, cost and cost's
+-- text; and, only where some hit has one, where each hit's lease (`lease`) and stamp
+-- (`stamp`) are among those values (nil: none). The commonest shape, one hit without a lease
+-- outside a refund, is read by one match.
+local shapes = {}
+local a = 3 + 5 * spec_count + 1
+local requests, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
+for _ = 1, requests do
+  local text, ticket = ARGV[a + 1], ARGV[a + 2]
+  local sh = shapes[text]
+  if not sh then
+    local letter, index, cost = match(text, '^([aec]) (%d+):(%d+)$')
+    if letter then
+      sh = { letter, 1, 0, specs[numbers[index] or number(index)], numbers[cost] or number(cost),
+        cost }
+    else
+      letter = match(text, '^[aecr]')
+      sh = { letter, 0, 0 }
+      local leases, stamps, count, extras, length = {}, {}, 0, 0, 1
+      for hit, index, cost, leased in gmatch(text, '( (%d+):(%d+)(L?))') do
+        count, length = count + 1, length + #hit
+        sh[3 * count + 1] = specs[numbers[index] or number(index)] or false
+        sh[3 * count + 2], sh[3 * count + 3] = numbers[cost] or number(cost), cost
+        if leased == 'L' then
+          extras = extras + 1
+          leases[count], sh.lease = extras, leases
+        end
+        if letter == 'r' then
+          extras = extras + 1
+          stamps[count], sh.stamp = extras, stamps
+        end
+      end
+      if not letter or length ~= #text then
+        error('a request is shaped ' .. text)
+      end
+      sh[2], sh[3] = count, extras
+    end
+    for i = 1, sh[2] do
+      if not sh[3 * i + 1] then
+        error('a request is shaped ' .. text .. ': it names a spec the call has not')
+      end
+    end
+    shapes[text] = sh
+  end
+  if not (ticket and find(ticket, ' ', 1, true)) then
+    error('a request has the ticket ' .. tostring(ticket))
+  end
+  k = k + sh[2]
+  a = a + 2 + sh[3]
+end
+if k ~= #KEYS or a ~= #ARGV then
+  error('the call names ' .. k .. ' hits for ' .. #KEYS .. ' keys, and ' .. a .. ' of '
+    .. #ARGV .. ' values')
+end
+
 -- A twin keeps in a hit's table what its later steps need. The current request's tables, by
 -- hit position, are reused by the next request (its hits are done with by then) rather than
 -- made per hit, and made only for the hits that need one; likewise the list of the request's
 -- charged hits (their positions).
 local hits, charged = {}, {}
 
--- The request's i-th hit's table, filled with the hit whose values follow ARGV position at and
--- whose key is KEYS[key]; the text of its cost goes to Redis as it came (Redis parses it
--- cheaply), the number to Lua.
-local function load(i, at, key, nonce)
+-- The request's i-th hit's table, filled from its shape `sh`, its values after ARGV position
+-- at, its key KEYS[key + i] and its ticket; the text of its cost goes to Redis as it came
+-- (Redis parses it cheaply), the number to Lua.
+local function load(sh, i, at, key, ticket)
   local h = hits[i]
   if not h then
     h = {}
     hits[i] = h
   end
-  local index, cost = ARGV[at + 1], ARGV[at + 2]
-  h.key, h.cost, h.cost_text, h.lease, h.nonce, h.index =
-    KEYS[key], numbers[cost] or number(cost), cost, ARGV[at + 3], nonce, i
-  h.spec = specs[numbers[index] or number(index)] or error('no spec ' .. index)
+  local leases, j = sh.lease, 3 * i
+  h.key, h.spec, h.cost, h.cost_text, h.index = KEYS[key + i], sh[j + 1], sh[j + 2],
+    sh[j + 3], i
+  h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
+  h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
   return h
 end
 
@@ -133,19 +186,18 @@ end
 local reply, n = {}, 0
 a, k = first, 0
 for _ = 1, requests do
-  local mode, nonce, count = ARGV[a + 1], ARGV[a + 2], numbers[ARGV[a + 4]]
-  local deadline = late and ARGV[a + 3] + 0
-  -- The request's i-th hit's values follow ARGV position at + 3 * (i - 1); its key is
-  -- KEYS[key + i].
-  local at, key = a + 4, k
-  a = at
+  local sh, ticket = shapes[ARGV[a + 1]], ARGV[a + 2]
+  -- The request's values follow ARGV position at; its i-th hit's key is KEYS[key + i].
+  local at, key, mode, count = a + 2, k, sh[1], sh[2]
+  -- Its deadline (0: none), read only in a call that started late.
+  local deadline = late and sub(ticket, find(ticket, ' ', 1, true) + 1) + 0
+  a, k = at + sh[3], k + count
   n = n + 1
-  if mode == 'refund' then
+  if mode == 'r' then
+    local stamps = sh.stamp
     for i = 1, count do
-      load(i, a, k + i, nonce).stamp = ARGV[a + 4]
-      a = a + 4
+      load(sh, i, at, key, ticket).stamp = ARGV[at + stamps[i]]
     end
-    k = k + count
     -- Last charge first, so two charges of one key are undone in the reverse of their order.
     for i = count, 1, -1 do
       local h = hits[i]
@@ -155,33 +207,30 @@ for _ = 1, requests do
     end
     reply[n] = 1
   elseif deadline and deadline > 0 and now > deadline then
-    a, k = a + 3 * count, k + count
     reply[n] = 0
   else
     reply[n] = 1
+    local with_stamps = mode == 'e'
     local charges, enforced_refused, quota_seen, quota_admitted = 0, false, false, false
+    local leases = sh.lease
     for i = 1, count do
-      local index, cost_text = ARGV[a + 1], ARGV[a + 2]
-      local s = specs[numbers[index] or number(index)] or error('no spec ' .. index)
-      local cost = numbers[cost_text] or number(cost_text)
-      local lease, take, admitted, remaining, reset, stamp, took = ARGV[a + 3], s.take
-      k = k + 1
-      if take and cost > 0 and lease == '0' then
-        admitted, remaining, reset, stamp = take(s, KEYS[k], cost, cost_text)
+      local j = 3 * i
+      local s, cost = sh[j + 1], sh[j + 2]
+      local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
+      if take and cost > 0 and not leased then
+        admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3])
         took = admitted
       end
       if admitted == nil then
-        local h, twin = load(i, a, k, nonce), s.twin
+        local h, twin = load(sh, i, at, key, ticket), s.twin
         admitted, remaining, reset, stamp = twin.check(s, h, now)
-        -- Comparing texts costs less than calling byte; most hits hold no lease.
-        if lease ~= '0' and byte(lease) == GIVE then
+        if leased and byte(h.lease) == GIVE then
           twin.commit(s, h, now)
         elseif admitted and cost > 0 then
           twin.commit(s, h, now)
           took = true
         end
       end
-      a = a + 3
       if took then
         charges = charges + 1
         charged[charges] = i
@@ -193,17 +242,19 @@ for _ = 1, requests do
         quota_seen = true
         quota_admitted = quota_admitted or admitted
       end
-      reply[n + 1] = admitted and 1 or 0
-      reply[n + 2] = remaining
-      reply[n + 3] = reset
-      reply[n + 4] = stamp
-      n = n + 4
+      reply[n + 1] = admitted and remaining or -1 - remaining
+      reply[n + 2] = reset
+      if with_stamps then
+        reply[n + 3] = stamp
+        n = n + 3
+      else
+        n = n + 2
+      end
     end
-    if charges > 0 and not (mode == 'each'
-        or (mode == 'atomic' and not enforced_refused and (quota_admitted or not quota_seen))) then
+    if charges > 0 and not (mode == 'e'
+        or (mode == 'a' and not enforced_refused and (quota_admitted or not quota_seen))) then
       for c = charges, 1, -1 do
-        local i = charged[c]
-        local h = load(i, at + 3 * (i - 1), key + i, nonce)
+        local h = load(sh, charged[c], at, key, ticket)
         h.spec.twin.undo(h.spec, h, now)
       end
     end

@@ -275,8 +275,9 @@ done
 log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
 # evalsha_args RULE KEYS PER_CALL: the KEYS and ARGV of one call deciding PER_CALL requests
 # of one hit each, as coalescing sends them (Redis time, no deadline, the one spec, the
-# request count, then per request: mode, nonce, deadline 0, hit count 1, and the hit: spec 1,
-# cost 1, no lease). redis-benchmark draws every __rand_int__ afresh.
+# request count, then per request its shape, atomic with one hit of spec 1 costing 1, and its
+# ticket, nonce and deadline 0; lua/batch.lua has the layout). redis-benchmark draws every
+# __rand_int__ afresh.
 evalsha_args() {
   local rule="$1" keys="$2" per_call="$3" key i
   if [ "$keys" = 1 ]; then
@@ -288,7 +289,7 @@ evalsha_args() {
   for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
   # shellcheck disable=SC2086 # SPEC_ARGS is a word list on purpose
   printf '%s\n' 0 0 1 ${SPEC_ARGS[$rule]} "$per_call"
-  for i in $(seq "$per_call"); do printf '%s\n' atomic "n__rand_int__" 0 1 1 1 0; done
+  for i in $(seq "$per_call"); do printf '%s\n' "a 1:1" "n__rand_int__ 0"; done
 }
 ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
   local rule="$1" keys="$2" n="$3" per_call="${4:-1}" range args

@@ -633,6 +633,59 @@ async fn mixed_run(b: &RedisBackend) {
     }
 }
 
+/// A call the batch script cannot read is refused whole, before it writes anything: the
+/// well-formed request in front of the flaw is not charged either. Each row is one call's
+/// KEYS and the ARGV after the spec (fixed window, 10 per minute): the request count, then
+/// per request its shape, ticket and extra values (`lua/batch.lua` has the layout).
+#[test]
+fn a_call_the_script_cannot_read_writes_nothing() {
+    /// A case, its KEYS, its requests' values, and a word of the error it gets (None: none).
+    type Malformed<'a> = (&'a str, &'a [&'a str], &'a [&'a str], Option<&'a str>);
+    let server = RedisServer::start();
+    let script = turnstile::backend::redis::batch_source();
+    let good = ["a 1:1", "n1 0"];
+    #[rustfmt::skip]
+    let cases: [Malformed; 8] = [
+        ("well formed", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", "n2 0"], None),
+        ("no such mode", &["k1", "k2"], &["2", good[0], good[1], "x 1:1", "n2 0"], Some("shaped")),
+        ("trailing text", &["k1", "k2"], &["2", good[0], good[1], "a 1:1 junk", "n2 0"], Some("shaped")),
+        ("no such spec", &["k1", "k2"], &["2", good[0], good[1], "a 2:1", "n2 0"], Some("spec")),
+        ("no ticket", &["k1", "k2"], &["2", good[0], good[1], "a 1:1"], Some("ticket")),
+        ("a ticket without deadline", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", "n2"], Some("ticket")),
+        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1", "n2 0"], Some("keys")),
+        ("a lease missing", &["k1", "k2"], &["2", good[0], good[1], "a 1:1L", "n2 0"], Some("values")),
+    ];
+    for (case, keys, requests, error) in cases {
+        server.query::<()>(&["FLUSHALL"]);
+        let mut args = vec!["EVAL", script];
+        let count = keys.len().to_string();
+        args.push(&count);
+        args.extend(keys);
+        args.extend(["0", "0", "1", "fixed_window", "10", "60", "10", "e"]);
+        args.extend(requests);
+        let reply = server.try_query::<Vec<i64>>(&args);
+        let written: i64 = server.query(&["DBSIZE"]);
+        match error {
+            None => {
+                let reply = reply.unwrap_or_else(|err| panic!("{case}: {err}"));
+                // Per request: decided, remaining 9, a reset; then the script's time.
+                assert_eq!(reply.len(), 2 * 3 + 1, "{case}: {reply:?}");
+                assert_eq!(
+                    [reply[0], reply[1], reply[3], reply[4]],
+                    [1, 9, 1, 9],
+                    "{case}"
+                );
+                assert_eq!(written, 2, "{case}: one counter per key");
+            }
+            Some(words) => {
+                let err = reply.expect_err(case).to_string();
+                assert!(err.contains(words), "{case}: {err}");
+                assert_eq!(written, 0, "{case}: nothing is written");
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn every_key_expires() {
     let server = RedisServer::start();

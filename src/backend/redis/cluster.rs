@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ::redis::cluster_routing::Slot;
 use tokio::task::JoinSet;
 
-use super::script::{Mode, Part, Reply};
+use super::script::{Mode, Nonce, Part, Reply};
 use super::{Shared, coalesce};
 use crate::algorithm::Micros;
 use crate::deadline::Deadline;
@@ -38,7 +38,7 @@ pub(super) struct Job {
     hits: Vec<(String, Hit)>,
     groups: Vec<Vec<usize>>,
     charging: Charging,
-    nonce: String,
+    nonce: Nonce,
     /// When the caller stops waiting: a reservation that would start later takes nothing.
     deadline: Option<Deadline>,
     /// The time to decide at, when not Redis TIME (tests only).
@@ -52,7 +52,7 @@ impl Job {
         keys: Vec<String>,
         groups: Vec<Vec<usize>>,
         charging: Charging,
-        nonce: String,
+        nonce: Nonce,
         at: Option<Micros>,
     ) -> Job {
         Job {
@@ -93,7 +93,7 @@ impl Job {
                 Charging::Nothing => Mode::Check,
                 Charging::Atomic | Charging::PerDescriptor => Mode::Each,
             };
-            let mut part = Part::new(mode, &self.nonce);
+            let mut part = Part::new(mode, self.nonce.clone());
             for &i in group {
                 let (key, hit) = &self.hits[i];
                 part.push(key.clone(), hit, hit.hits, None, self.layout());
@@ -134,7 +134,7 @@ impl Job {
             .iter()
             .filter(|group| group.iter().any(|&i| charged(i)))
             .map(|group| {
-                let mut part = Part::new(Mode::Refund, &self.nonce);
+                let mut part = Part::new(Mode::Refund, self.nonce.clone());
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };

@@ -34,7 +34,7 @@ use coalesce::{Lanes, io};
 use connect::Pool;
 pub use layout::KeyLayout;
 pub use script::{Lua, batch_source};
-use script::{Mode, Part};
+use script::{Mode, Nonce, Part};
 
 /// How the configured URLs reach the master(s) that hold the state.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -286,12 +286,18 @@ impl RedisBackend {
         let shared = &self.shared;
         let deadline = shared.deadline();
         let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(h)).collect();
-        let nonce = script::nonce();
         if shared.pool.is_cluster() {
             let groups = cluster::group_by_slot(&keys);
             if groups.len() > 1 {
-                let job =
-                    cluster::Job::new(shared.clone(), hits, keys, groups, charging, nonce, at);
+                let job = cluster::Job::new(
+                    shared.clone(),
+                    hits,
+                    keys,
+                    groups,
+                    charging,
+                    Nonce::new(),
+                    at,
+                );
                 let job = job.until(deadline);
                 return job.evaluate().await;
             }
@@ -301,7 +307,7 @@ impl RedisBackend {
             Charging::PerDescriptor => Mode::Each,
             Charging::Nothing => Mode::Check,
         };
-        let mut part = Part::new(mode, &nonce);
+        let mut part = Part::new(mode, Nonce::new());
         for (key, hit) in keys.into_iter().zip(hits) {
             part.push(key, hit, hit.hits, None, shared.key_layout);
         }

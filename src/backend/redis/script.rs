@@ -3,6 +3,7 @@
 //! restart or a failover) gets the full text once (EVAL, which also caches it), on whatever
 //! connection type, Cluster included, since EVAL is routed by its first key like EVALSHA.
 
+use std::fmt::Write;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -80,12 +81,13 @@ pub(super) enum Mode {
 }
 
 impl Mode {
-    fn name(self) -> &'static str {
+    /// The letter that opens a request's shape.
+    fn letter(self) -> char {
         match self {
-            Mode::Atomic => "atomic",
-            Mode::Each => "each",
-            Mode::Check => "check",
-            Mode::Refund => "refund",
+            Mode::Atomic => 'a',
+            Mode::Each => 'e',
+            Mode::Check => 'c',
+            Mode::Refund => 'r',
         }
     }
 }
@@ -98,10 +100,16 @@ fn role_letter(role: Role) -> &'static str {
     }
 }
 
-/// A fresh nonce per request: it names the request's sliding-window entries, so a refund
-/// removes exactly them. 10 alphanumerics (~59 bits) keep the log entries short.
-pub(super) fn nonce() -> String {
-    (0..10).map(|_| fastrand::alphanumeric()).collect()
+/// A request's nonce: it names the request's sliding-window entries, so a refund removes
+/// exactly them. Alphanumerics only: a space ends it in the request's ticket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Nonce(String);
+
+impl Nonce {
+    /// A fresh one per request: 10 alphanumerics (~59 bits) keep the log entries short.
+    pub(super) fn new() -> Nonce {
+        Nonce((0..10).map(|_| fastrand::alphanumeric()).collect())
+    }
 }
 
 /// A limit as the script receives it: once per call, whatever number of hits share it.
@@ -126,16 +134,16 @@ struct PartHit {
 /// One request's share of a script call: its mode, nonce and hits (see `lua/batch.lua`).
 pub(super) struct Part {
     mode: Mode,
-    nonce: String,
+    nonce: Nonce,
     keys: Vec<String>,
     hits: Vec<PartHit>,
 }
 
 impl Part {
-    pub(super) fn new(mode: Mode, nonce: &str) -> Part {
+    pub(super) fn new(mode: Mode, nonce: Nonce) -> Part {
         Part {
             mode,
-            nonce: nonce.into(),
+            nonce,
             keys: Vec::new(),
             hits: Vec::new(),
         }
@@ -232,17 +240,26 @@ impl<'a> Call<'a> {
                 .arg(spec.role);
         }
         cmd.arg(self.parts.len());
+        // Per request its shape, its ticket, then its leases and (refund) stamps.
+        let (mut shape, mut ticket) = (String::new(), String::new());
         let mut spec_of = self.spec_of.iter();
         for (part, deadline) in &self.parts {
-            cmd.arg(part.mode.name())
-                .arg(&part.nonce)
-                .arg(*deadline)
-                .arg(part.len());
+            shape.clear();
+            shape.push(part.mode.letter());
             for (hit, spec) in part.hits.iter().zip(&mut spec_of) {
-                // Specs count from 1 in Lua; "0" is no lease.
-                cmd.arg(spec + 1)
-                    .arg(hit.cost)
-                    .arg(hit.lease.as_deref().unwrap_or("0"));
+                // Specs count from 1 in Lua.
+                let _ = write!(shape, " {}:{}", spec + 1, hit.cost);
+                if hit.lease.is_some() {
+                    shape.push('L');
+                }
+            }
+            ticket.clear();
+            let _ = write!(ticket, "{} {deadline}", part.nonce.0);
+            cmd.arg(&shape).arg(&ticket);
+            for hit in &part.hits {
+                if let Some(lease) = &hit.lease {
+                    cmd.arg(lease);
+                }
                 if part.mode == Mode::Refund {
                     cmd.arg(hit.stamp);
                 }
@@ -263,7 +280,8 @@ pub(super) async fn run(pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<i64>> {
     }
 }
 
-/// One hit's answer: the verdict and where its charge went (for a refund).
+/// One hit's answer: the verdict and, from an `Each` call, where its charge went (for a
+/// refund; 0 from other calls).
 pub(super) struct Reply {
     pub(super) outcome: Outcome,
     pub(super) stamp: i64,
@@ -278,8 +296,9 @@ pub(super) struct Answer {
     pub(super) replies: Vec<Option<Vec<Reply>>>,
 }
 
-/// Decode the script's reply to `call`: per part a status, then 4 integers per hit when
-/// decided; then the time that ends them.
+/// Decode the script's reply to `call`: per part a status, then per hit when decided its
+/// remaining (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp;
+/// then the time that ends them.
 pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendError> {
     let malformed = || {
         BackendError::Unavailable(format!(
@@ -293,17 +312,22 @@ pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendErro
     for (part, _) in &call.parts {
         let (&status, after) = rest.split_first().ok_or_else(malformed)?;
         rest = after;
-        let values = if status == 1 && part.mode != Mode::Refund {
-            part.len() * 4
-        } else {
-            0
+        let per_hit = match part.mode {
+            Mode::Refund => 0,
+            Mode::Each => 3,
+            Mode::Atomic | Mode::Check => 2,
         };
+        let values = if status == 1 { part.len() * per_hit } else { 0 };
         if rest.len() < values {
             return Err(malformed());
         }
         let (hits, after) = rest.split_at(values);
         rest = after;
-        replies.push((status == 1).then(|| decode_hits(hits)));
+        let decided = match per_hit {
+            0 => Vec::new(),
+            per_hit => decode_hits(hits, per_hit),
+        };
+        replies.push((status == 1).then_some(decided));
     }
     if !rest.is_empty() {
         return Err(malformed());
@@ -311,15 +335,22 @@ pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendErro
     Ok(Answer { redis_now, replies })
 }
 
-fn decode_hits(raw: &[i64]) -> Vec<Reply> {
-    raw.chunks_exact(4)
-        .map(|r| Reply {
-            outcome: Outcome {
-                admitted: r[0] == 1,
-                remaining: u32::try_from(r[1].max(0)).unwrap_or(u32::MAX),
-                reset_after: Duration::from_micros(r[2].max(0).unsigned_abs()),
-            },
-            stamp: r[3],
+fn decode_hits(raw: &[i64], per_hit: usize) -> Vec<Reply> {
+    raw.chunks_exact(per_hit)
+        .map(|r| {
+            let (admitted, remaining) = if r[0] >= 0 {
+                (true, r[0])
+            } else {
+                (false, -1 - r[0])
+            };
+            Reply {
+                outcome: Outcome {
+                    admitted,
+                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                    reset_after: Duration::from_micros(r[1].max(0).unsigned_abs()),
+                },
+                stamp: r.get(2).copied().unwrap_or_default(),
+            }
         })
         .collect()
 }
@@ -353,33 +384,94 @@ mod tests {
     }
 
     #[test]
-    fn a_call_sends_each_spec_once_and_each_hit_as_its_index_cost_and_lease() {
+    fn a_call_sends_each_spec_once_and_each_request_as_its_shape_ticket_and_leases() {
         let minute = Limit::fixed(10, Unit::Minute);
         let leased = Limit {
             algorithm: Kind::Concurrency,
             ..minute
         };
-        let mut first = Part::new(Mode::Atomic, "n1");
+        let nonce = |text: &str| Nonce(text.into());
+        let mut first = Part::new(Mode::Atomic, nonce("n1"));
         push(&mut first, "a", minute, None, 1);
         push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
-        let mut second = Part::new(Mode::Refund, "n2");
+        let mut second = Part::new(Mode::Refund, nonce("n2"));
         push(&mut second, "c", minute, None, 0);
+        push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
         let call = Call::new(vec![(&first, 0), (&second, 5), (&first, 3)], None);
         let expected = [
-            "EVALSHA sha 5 a b c a b",
+            "EVALSHA sha 6 a b c d a b",
             // Redis time, the earliest deadline, two specs.
             "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
-            // Three requests; their hits name specs 1 and 2, and a refund's carry a stamp.
-            "3 atomic n1 0 2 1 1 0 2 1 +r",
-            "refund n2 5 1 1 0 0 7",
-            "atomic n1 3 2 1 1 0 2 1 +r",
+            // Three requests: shape (mode, then spec:cost per hit, L for a lease), ticket
+            // (nonce and deadline), then the leases and, in a refund, the stamps.
+            "3|a 1:1 2:1L|n1 0|+r",
+            "r 1:0 2:2L|n2 5|7|-r|7",
+            "a 1:1 2:1L|n1 3|+r",
         ];
-        let expected: Vec<&str> = expected.iter().flat_map(|l| l.split(' ')).collect();
+        let expected: Vec<&str> = expected
+            .iter()
+            .flat_map(|l| l.split(if l.contains('|') { '|' } else { ' ' }))
+            .collect();
         assert_eq!(args(&call.command("EVALSHA", "sha")), expected);
         let timed = Call::new(vec![(&second, 0)], Some(42));
         assert_eq!(
-            args(&timed.command("EVALSHA", "sha"))[4..7],
-            ["42", "0", "1"]
+            args(&timed.command("EVALSHA", "sha"))[5..8],
+            ["42", "0", "2"]
         );
+    }
+
+    #[test]
+    fn a_reply_carries_stamps_only_for_each_parts_and_refusals_below_zero() {
+        let minute = Limit::fixed(10, Unit::Minute);
+        let part = |mode| {
+            let mut part = Part::new(mode, Nonce::new());
+            push(&mut part, "a", minute, None, 1);
+            push(&mut part, "b", minute, None, 1);
+            part
+        };
+        let (atomic, each, refund) = (part(Mode::Atomic), part(Mode::Each), part(Mode::Refund));
+        let call = Call::new(
+            vec![(&atomic, 0), (&each, 0), (&refund, 0), (&atomic, 9)],
+            None,
+        );
+        #[rustfmt::skip]
+        let raw = [
+            1, 7, 100, -1, 200,
+            1, 6, 100, 41, -3, 200, 42,
+            1,
+            0,
+            555,
+        ];
+        let answer = decode(&raw, &call).expect("a well-formed reply");
+        assert_eq!(answer.redis_now, 555);
+        /// A hit's reply: admitted, remaining, reset (µs) and stamp.
+        type Seen = (bool, u32, u64, i64);
+        let seen: Vec<Option<Vec<Seen>>> = answer
+            .replies
+            .iter()
+            .map(|hits| {
+                let hits = hits.as_ref()?.iter();
+                let seen = |r: &Reply| {
+                    let o = &r.outcome;
+                    (
+                        o.admitted,
+                        o.remaining,
+                        o.reset_after.as_micros() as u64,
+                        r.stamp,
+                    )
+                };
+                Some(hits.map(seen).collect())
+            })
+            .collect();
+        let expected = [
+            Some(vec![(true, 7, 100, 0), (false, 0, 200, 0)]),
+            Some(vec![(true, 6, 100, 41), (false, 2, 200, 42)]),
+            Some(vec![]),
+            None,
+        ];
+        assert_eq!(seen, expected);
+        // One value short, or one too many, is an error, not a guess.
+        assert!(decode(&raw[1..], &call).is_err());
+        assert!(decode(&[&raw[..], &[1]].concat(), &call).is_err());
     }
 }
