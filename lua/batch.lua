@@ -175,7 +175,9 @@ local function load(sh, i, at, key, ticket)
   h.key, h.spec, h.cost, h.cost_text, h.index = KEYS[key + i], sh[j + 1], sh[j + 2],
     sh[j + 3], i
   h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
-  h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
+  if h.spec.twin.named then
+    h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
+  end
   return h
 end
 

@@ -29,6 +29,10 @@ local function refund(s, h)
 end
 
 return {
+  -- Its entries are named after the request (h.nonce): the driver passes the nonce only to
+  -- twins that say so.
+  named = true,
+
   -- What every hit of the spec shares in this call, as the text Redis is given.
   prepare = function(s, now)
     s.span = s.window * 1000000

@@ -3,8 +3,9 @@
 //!
 //! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
 //! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
-//! burst and role one or more hits share) and a hit `h` (its key, cost, lease, nonce and
-//! index), and every verdict is four values: admitted, remaining, reset (us) and stamp.
+//! burst and role one or more hits share) and a hit `h` (its key, cost, lease and index, and
+//! the request's nonce if the twin's table says `named = true`: splitting it off costs), and
+//! every verdict is four values: admitted, remaining, reset (us) and stamp.
 //! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
 //! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
 //! back in a later call. An optional `take(s, key, cost, cost_text)` checks a hit that costs
