@@ -259,11 +259,16 @@ done
 # a2. Coalescing, A/B in one run: the Redis backend at 64 in flight with every request a
 #     script call of its own (--redis-batch 1) and with the default batch (Redis CPU per
 #     decision is the figure: cpu_us_per_call.redis); then 256 and 512 in flight, counting
-#     errors (a healthy Redis must cause none).
-for batch in 1 default; do
-  if [ "$batch" = default ]; then start_turnstile redis; else start_turnstile redis --redis-batch "$batch"; fi
+#     errors (a healthy Redis must cause none); and at 64 the default batch over one Redis
+#     connection (one call in flight instead of two: larger calls).
+for batch in 1 default pool1; do
+  case "$batch" in
+    default) start_turnstile redis ;;
+    pool1) start_turnstile redis --redis-connections 1 ;;
+    *) start_turnstile redis --redis-batch "$batch" ;;
+  esac
   for inflight in 64 256 512; do
-    [ "$batch" = 1 ] && [ "$inflight" != 64 ] && continue
+    [ "$batch" != default ] && [ "$inflight" != 64 ] && continue
     rcli FLUSHALL >/dev/null
     LOAD_CONCURRENCY="$inflight" load "redis_batch_$batch/fixed_window/$BIG/c$inflight" redis fw "$BIG"
   done

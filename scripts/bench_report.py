@@ -153,10 +153,13 @@ def main(argv):
         key=lambda r: (r["concurrency"], r["name"]),
     )
     if coalescing:
-        table("Coalescing, A/B in this run (Redis backend, fixed window, 100 000 keys, closed loop)", "| calls in flight | `--redis-batch` | decisions/s | p99 ms | errors | Redis CPU µs/decision | turnstile CPU µs/decision |", "|---:|---|---:|---:|---:|---:|---:|")
+        table("Coalescing, A/B in this run (Redis backend, fixed window, 100 000 keys, closed loop)", "| calls in flight | configuration | decisions/s | p99 ms | errors | Redis CPU µs/decision | turnstile CPU µs/decision |", "|---:|---|---:|---:|---:|---:|---:|")
         for r in coalescing:
             batch = r["name"].split("/")[0].removeprefix("redis_batch_")
-            batch = "64 (default)" if batch == "default" else f"{batch} (off)"
+            batch = {
+                "default": "`--redis-batch` 64 (default), 2 connections (default)",
+                "pool1": "`--redis-batch` 64, `--redis-connections 1`",
+            }.get(batch, f"`--redis-batch {batch}` (off)")
             d = r["descriptors"]
             w(
                 f"| {r['concurrency']} | {batch} | {fmt_int(r['rps'] * d)} | {r['latency_ms']['p99']:.2f} | "
