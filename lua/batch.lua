@@ -145,7 +145,7 @@ for _ = 1, requests do
     end
     shapes[text] = sh
   end
-  if not (ticket and match(ticket, '^%w+ %d+$')) then
+  if not (ticket and match(ticket, '^%S+ %d+$')) then
     error('a request has the ticket ' .. tostring(ticket))
   end
   k = k + sh[2]
