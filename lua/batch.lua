@@ -145,7 +145,9 @@ for _ = 1, requests do
     end
     shapes[text] = sh
   end
-  if not (ticket and match(ticket, '^%S+ %d+$')) then
+  -- Its deadline is read as a number only in a call that starts late (turnstile writes it):
+  -- matching a pattern here would cost Redis as much per request as the rest of its values.
+  if not (ticket and find(ticket, ' ', 1, true)) then
     error('a request has the ticket ' .. tostring(ticket))
   end
   k = k + sh[2]
