@@ -153,13 +153,10 @@ EOF
 "$BIN" check --config "$RULES" >/dev/null
 declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
   [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
-# The limit spec of each rule, as turnstile sends it (once per call): algorithm, limit,
-# window s, burst, role.
-declare -A SPEC_ARGS=(
-  [fw]="fixed_window 1000000000 60 1000000000 e"
-  [sw]="sliding_window 10000 1 10000 e"
-  [tb]="token_bucket 1 1 1000000000 e"
-)
+# The batch script's call for the ceiling (SPEC_ARGS, evalsha_args), shared with
+# script_cost.sh.
+# shellcheck source=scripts/batch_call.sh
+. scripts/batch_call.sh
 
 TS_PID="" GRPC=""
 # start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's).
@@ -278,24 +275,6 @@ done
 # ---------------------------------------------------------------------------------------
 # b. The ceiling: the same EVALSHA from redis-benchmark, same Redis, same key shapes.
 log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
-# evalsha_args RULE KEYS PER_CALL: the KEYS and ARGV of one call deciding PER_CALL requests
-# of one hit each, as coalescing sends them (Redis time, no deadline, the one spec, the
-# request count, then per request its shape, atomic with one hit of spec 1 costing 1, and its
-# ticket, nonce and deadline 0; lua/batch.lua has the layout). redis-benchmark draws every
-# __rand_int__ afresh.
-evalsha_args() {
-  local rule="$1" keys="$2" per_call="$3" key i
-  if [ "$keys" = 1 ]; then
-    key="{bench|$rule=u0|${ALGO[$rule]}}"
-  else
-    key="{bench|$rule=u__rand_int__|${ALGO[$rule]}}"
-  fi
-  printf '%s\n' "$per_call"
-  for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
-  # shellcheck disable=SC2086 # SPEC_ARGS is a word list on purpose
-  printf '%s\n' 0 0 1 ${SPEC_ARGS[$rule]} "$per_call"
-  for i in $(seq "$per_call"); do printf '%s\n' "a 1:1" "n__rand_int__ 0"; done
-}
 ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
   local rule="$1" keys="$2" n="$3" per_call="${4:-1}" range args
   range="$([ "$keys" = 1 ] && echo 1000000000 || echo "$keys")"

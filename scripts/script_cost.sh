@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Redis instructions per decision of the batch script, counted by callgrind: a count, not a
+# time, so it repeats whatever else the machine is doing. For each algorithm, one-hit
+# requests in calls of 1, 10 and 64 (fixed window) or 1 and 16 requests, with tickets as
+# long as turnstile's, over 1 000 keys (the keys exist after the warm-up, so the count is
+# the decisions', not the keyspace's growth).
+#
+# Usage: scripts/script_cost.sh [TURNSTILE_BINARY]   (default: this build's release binary)
+# Needs valgrind (callgrind_control), redis-server, redis-benchmark and redis-cli. It starts
+# its own redis-server under valgrind on a free loopback port per case and stops it by PID.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/batch_call.sh
+. scripts/batch_call.sh
+
+BIN="${1:-}"
+if [ -z "$BIN" ]; then
+  cargo build --release --quiet --bin turnstile
+  BIN="$PWD/target/release/turnstile"
+fi
+for tool in valgrind callgrind_control redis-server redis-benchmark redis-cli python3; do
+  command -v "$tool" >/dev/null || { echo "script_cost.sh needs $tool" >&2; exit 1; }
+done
+
+TMP="$(mktemp -d)"
+VG_PID=""
+cleanup() {
+  [ -n "$VG_PID" ] && kill "$VG_PID" 2>/dev/null && wait "$VG_PID" 2>/dev/null
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+"$BIN" redis-script >"$TMP/batch.lua" 2>/dev/null
+# A deadline as long as a real one (16 digits of microseconds), far past any test.
+DEADLINE=9999999999999999
+DECISIONS=20000
+
+# cost RULE PER_CALL: instructions per decision.
+cost() {
+  local rule="$1" per_call="$2" port sha args out total
+  port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  out="$TMP/callgrind.$rule.$per_call"
+  valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
+    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --logfile "$TMP/redis.log" --daemonize no >"$TMP/valgrind.log" 2>&1 &
+  VG_PID=$!
+  for _ in $(seq 200); do redis-cli -p "$port" PING >/dev/null 2>&1 && break; sleep 0.1; done
+  sha="$(redis-cli -p "$port" -x SCRIPT LOAD <"$TMP/batch.lua")"
+  mapfile -t args < <(evalsha_args "$rule" 1000 "$per_call" "$DEADLINE")
+  bench() { redis-benchmark -p "$port" -c 1 -P 16 -r 1000 -n "$1" EVALSHA "$sha" "${args[@]}" >/dev/null; }
+  bench 3000
+  callgrind_control -i on "$VG_PID" >/dev/null 2>&1
+  bench $((DECISIONS / per_call))
+  callgrind_control -d "$VG_PID" >/dev/null 2>&1
+  for _ in $(seq 100); do compgen -G "$out.*" >/dev/null && break; sleep 0.1; done
+  kill "$VG_PID"
+  wait "$VG_PID" 2>/dev/null || true
+  VG_PID=""
+  total="$(awk '/^(summary|totals):/ {print $2; exit}' "$out".*)"
+  python3 -c "print(f'{$total / ($DECISIONS // $per_call * $per_call) / 1000:.1f}')"
+}
+
+printf '| algorithm | requests per call | Redis instructions per decision |\n|---|---:|---:|\n'
+for rule_calls in "fw 1" "fw 10" "fw 64" "tb 1" "tb 16" "sw 1" "sw 16"; do
+  read -r rule per_call <<<"$rule_calls"
+  printf '| %s | %s | %sk |\n' "${CALL_ALGO[$rule]}" "$per_call" "$(cost "$rule" "$per_call")"
+done
