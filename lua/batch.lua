@@ -177,6 +177,7 @@ local function load(sh, i, at, key, ticket)
   h.key, h.spec, h.cost, h.cost_text, h.index = KEYS[key + i], sh[j + 1], sh[j + 2],
     sh[j + 3], i
   h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
+  h.ticket = ticket
   if h.spec.twin.named then
     h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
   end
@@ -222,7 +223,7 @@ for _ = 1, requests do
       local s, cost = sh[j + 1], sh[j + 2]
       local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
       if take and cost > 0 and not leased then
-        admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3])
+        admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], ticket)
         took = admitted
       end
       if admitted == nil then

@@ -1,6 +1,7 @@
 -- Fixed window: one counter per epoch-aligned window, named <key><separator><window start
 -- seconds>. The window is computed here from Redis TIME, never from the caller's clock. The
--- counter expires when its window ends. Mirrors src/algorithm/fixed_window.rs.
+-- counter expires after its window ends (below). Its decisions mirror
+-- src/algorithm/fixed_window.rs.
 --
 -- The chunk is given its key layout: 'turnstile' (<key>:<window start>) or 'reference', the
 -- reference server's (<prefix><domain>_<key>_<value>_..._<window start>), so both servers
@@ -13,6 +14,21 @@ local separator = layout == 'reference' and '' or ':'
 -- expiry again, as the reference server does.
 local every_charge_expires = layout == 'reference'
 local call, tonumber, format = redis.call, tonumber, string.format
+local byte, floor, min = string.byte, math.floor, math.min
+-- A window's counters must not all expire at its end: Redis deletes expired keys in cycles
+-- of up to 25 ms, so 100 000 counters expiring at one instant stalled every call for 25 ms
+-- (LATENCY LATEST: expire-cycle) and timed some out. Counters made at a window's start, as
+-- every busy limit's are, would still expire together were they spread by when they were
+-- made; so each outlives its window by an offset drawn from its request's nonce (random
+-- alphanumerics), below the spread: the window, or a minute if shorter. The memory backend
+-- needs none of this: its sweep visits every entry anyway.
+local SPREAD_MS = 60000
+
+-- The counter's time to live (ms): to its window's end, then the offset.
+local function ttl(s, ticket)
+  local a, b, c = byte(ticket, 1, 3)
+  return s.ttl + (a * 7919 + b * 104729 + c * 1299709) % s.spread
+end
 
 local function check(s, h)
   local counter = h.key .. s.suffix
@@ -26,7 +42,7 @@ end
 
 local function commit(s, h)
   if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
-    call('PEXPIRE', h.counter, s.ttl)
+    call('PEXPIRE', h.counter, ttl(s, h.ticket))
   end
 end
 
@@ -34,11 +50,12 @@ return {
   -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
   -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text).
   prepare = function(s, now)
-    local start = math.floor(math.floor(now / 1000000) / s.window) * s.window
+    local start = floor(floor(now / 1000000) / s.window) * s.window
     s.start = start
     s.suffix = separator .. format('%d', start)
     s.reset = (start + s.window) * 1000000 - now
     s.ttl = math.ceil(s.reset / 1000)
+    s.spread = min(s.window * 1000, SPREAD_MS)
   end,
 
   check = check,
@@ -48,7 +65,7 @@ return {
   -- so no INCRBY can overflow. Then the counter INCRBY creates (it counts just this cost) is
   -- admitted, and gets its expiry; a refused one existed before, with its expiry, and gets
   -- its units back.
-  take = function(s, key, cost, cost_text)
+  take = function(s, key, cost, cost_text, ticket)
     if cost > s.limit then
       return
     end
@@ -59,7 +76,7 @@ return {
       return false, 0, s.reset, s.start
     end
     if after == cost or every_charge_expires then
-      call('PEXPIRE', counter, s.ttl)
+      call('PEXPIRE', counter, ttl(s, ticket))
     end
     return true, s.limit - after, s.reset, s.start
   end,
