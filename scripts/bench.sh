@@ -14,7 +14,9 @@
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
 #   f. before/after: with BENCH_BASELINE=<a turnstile binary built from an earlier commit>,
 #      that binary and this build in turn, same load, same run; and a fleet: 4 instances
-#      sharing one Redis (total decisions/s, Redis CPU per decision).
+#      sharing one Redis (total decisions/s, Redis CPU per decision);
+#   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
+#      expire (each build, 20 s across a minute's end).
 #
 # It builds release, starts its own redis-server (free loopback port, never 6379, no
 # persistence) and turnstile processes, and stops every one of them by PID when it ends, on
@@ -388,6 +390,32 @@ if [ -n "${BENCH_BASELINE:-}" ]; then
     done
   done
 fi
+
+# g. A window's end: fixed-window counters made in one minute expire after it ends, which
+#    must not stall Redis (its expiry deletes keys in cycles of up to 25 ms). Each build
+#    (the baseline too, if given) runs 20 s from 15 s before a minute's end, with Redis's
+#    latency monitor on; its longest expire cycle is recorded beside the load.
+rcli CONFIG SET latency-monitor-threshold 1 >/dev/null
+builds=(current)
+[ -n "${BENCH_BASELINE:-}" ] && builds=(baseline current)
+for side in "${builds[@]}"; do
+  bin="$BIN"
+  [ "$side" = baseline ] && bin="$BENCH_BASELINE"
+  TS_BIN="$bin" start_turnstile redis
+  sleep $(((105 - $(date +%s) % 60) % 60))
+  log "a window's end: $side"
+  rcli FLUSHALL >/dev/null
+  rcli LATENCY RESET >/dev/null
+  LOAD_WARMUP=0s LOAD_DURATION=20s load "rollover/$side" redis fw "$BIG"
+  stall="$(rcli LATENCY LATEST | awk 'found == 1 && ++n == 3 {print; exit} $0 == "expire-cycle" {found = 1}')"
+  jq -c --arg stall "${stall:-0}" '. + {expire_cycle_max_ms: ($stall | tonumber)}' \
+    <(tail -n 1 "$RESULTS") >"$TMP/last.json"
+  sed -i '$ d' "$RESULTS"
+  cat "$TMP/last.json" >>"$RESULTS"
+  log "  longest expire cycle: ${stall:-0} ms"
+  stop "$TS_PID"
+done
+rcli CONFIG SET latency-monitor-threshold 0 >/dev/null
 
 # A fleet: FLEET instances on one Redis, the load spread over them (one connection each, 64
 # calls in flight in all). Redis CPU per decision is what sizes a fleet: one Redis core
