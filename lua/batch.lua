@@ -177,7 +177,6 @@ local function load(sh, i, at, key, ticket)
   h.key, h.spec, h.cost, h.cost_text, h.index = KEYS[key + i], sh[j + 1], sh[j + 2],
     sh[j + 3], i
   h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
-  h.ticket = ticket
   if h.spec.twin.named then
     h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
   end
@@ -230,9 +229,9 @@ for _ = 1, requests do
         local h, twin = load(sh, i, at, key, ticket), s.twin
         admitted, remaining, reset, stamp = twin.check(s, h, now)
         if leased and byte(h.lease) == GIVE then
-          twin.commit(s, h, now)
+          twin.commit(s, h, now, ticket)
         elseif admitted and cost > 0 then
-          twin.commit(s, h, now)
+          twin.commit(s, h, now, ticket)
           took = true
         end
       end

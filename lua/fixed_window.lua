@@ -14,7 +14,7 @@ local separator = layout == 'reference' and '' or ':'
 -- expiry again, as the reference server does.
 local every_charge_expires = layout == 'reference'
 local call, tonumber, format = redis.call, tonumber, string.format
-local byte, floor, min = string.byte, math.floor, math.min
+local byte = string.byte
 -- A window's counters must not all expire at its end: Redis deletes expired keys in cycles
 -- of up to 25 ms, so 100 000 counters expiring at one instant stalled every call for 25 ms
 -- (LATENCY LATEST: expire-cycle) and timed some out. Counters made at a window's start, as
@@ -40,9 +40,9 @@ local function check(s, h)
   return false, 0, s.reset, s.start
 end
 
-local function commit(s, h)
+local function commit(s, h, _, ticket)
   if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
-    call('PEXPIRE', h.counter, ttl(s, h.ticket))
+    call('PEXPIRE', h.counter, ttl(s, ticket))
   end
 end
 
@@ -50,12 +50,12 @@ return {
   -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
   -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text).
   prepare = function(s, now)
-    local start = floor(floor(now / 1000000) / s.window) * s.window
+    local start = math.floor(math.floor(now / 1000000) / s.window) * s.window
     s.start = start
     s.suffix = separator .. format('%d', start)
     s.reset = (start + s.window) * 1000000 - now
     s.ttl = math.ceil(s.reset / 1000)
-    s.spread = min(s.window * 1000, SPREAD_MS)
+    s.spread = math.min(s.window * 1000, SPREAD_MS)
   end,
 
   check = check,

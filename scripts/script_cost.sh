@@ -3,7 +3,9 @@
 # time, so it repeats whatever else the machine is doing. For each algorithm, one-hit
 # requests in calls of 1, 10 and 64 (fixed window) or 1 and 16 requests, with tickets as
 # long as turnstile's, over 1 000 keys (the keys exist after the warm-up, so the count is
-# the decisions', not the keyspace's growth).
+# the decisions', not the keyspace's growth). Then, for the fixed window's calls, what part
+# is Redis's own: the same calls to a script that returns at once (reading the values,
+# running a script, replying), and to one that only runs INCRBY once per key.
 #
 # Usage: scripts/script_cost.sh [TURNSTILE_BINARY]   (default: this build's release binary)
 # Needs valgrind (callgrind_control), redis-server, redis-benchmark and redis-cli. It starts
@@ -34,17 +36,22 @@ trap cleanup EXIT
 DEADLINE=9999999999999999
 DECISIONS=20000
 
-# cost RULE PER_CALL: instructions per decision.
+# Stand-ins for the batch script, taking the same KEYS and ARGV.
+printf 'return 1\n' >"$TMP/nothing.lua"
+printf "for i = 1, #KEYS do redis.call('INCRBY', KEYS[i], '1') end\nreturn 1\n" >"$TMP/incrby.lua"
+
+# cost RULE PER_CALL [SCRIPT]: instructions per decision (SCRIPT: the batch script's file
+# name in TMP by default).
 cost() {
-  local rule="$1" per_call="$2" port sha args out total
+  local rule="$1" per_call="$2" script="${3:-batch.lua}" port sha args out total
   port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  out="$TMP/callgrind.$rule.$per_call"
+  out="$TMP/callgrind.$rule.$per_call.$script"
   valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
     redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
     --logfile "$TMP/redis.log" --daemonize no >"$TMP/valgrind.log" 2>&1 &
   VG_PID=$!
   for _ in $(seq 200); do redis-cli -p "$port" PING >/dev/null 2>&1 && break; sleep 0.1; done
-  sha="$(redis-cli -p "$port" -x SCRIPT LOAD <"$TMP/batch.lua")"
+  sha="$(redis-cli -p "$port" -x SCRIPT LOAD <"$TMP/$script")"
   mapfile -t args < <(evalsha_args "$rule" 1000 "$per_call" "$DEADLINE")
   bench() { redis-benchmark -p "$port" -c 1 -P 16 -r 1000 -n "$1" EVALSHA "$sha" "${args[@]}" >/dev/null; }
   bench 3000
@@ -64,3 +71,8 @@ for rule_calls in "fw 1" "fw 10" "fw 64" "tb 1" "tb 16" "sw 1" "sw 16"; do
   read -r rule per_call <<<"$rule_calls"
   printf '| %s | %s | %sk |\n' "${CALL_ALGO[$rule]}" "$per_call" "$(cost "$rule" "$per_call")"
 done
+printf '\n| the fixed window'"'"'s call, to a script that | requests per call | Redis instructions per request |\n|---|---:|---:|\n'
+for per_call in 1 10 64; do
+  printf '| returns at once | %s | %sk |\n' "$per_call" "$(cost fw "$per_call" nothing.lua)"
+done
+printf '| runs one INCRBY per key | 10 | %sk |\n' "$(cost fw 10 incrby.lua)"

@@ -719,7 +719,13 @@ async fn fixed_window_counters_expire_spread_after_their_window() {
         let window_ms = unit.seconds() * 1000;
         away_from_boundary(Duration::from_millis(window_ms), Duration::from_millis(200)).await;
         let hits: Vec<Hit> = (0..COUNTERS)
-            .map(|n| hit(&format!("{unit:?}-{n}"), limit(Kind::FixedWindow, 5, unit), 1))
+            .map(|n| {
+                hit(
+                    &format!("{unit:?}-{n}"),
+                    limit(Kind::FixedWindow, 5, unit),
+                    1,
+                )
+            })
             .collect();
         let outcomes = futures_util::future::join_all(hits.iter().map(|h| one(&b, h))).await;
         assert!(outcomes.iter().all(|o| o.admitted));
