@@ -153,12 +153,14 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1, burst: 10, algorithm: token_bucket}
 EOF
 "$BIN" check --config "$RULES" >/dev/null
-declare -A ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket [over]=fixed_window
-  [fwh]=fixed_window [swh]=sliding_window [tbh]=token_bucket)
-# The batch script's call for the ceiling (SPEC_ARGS, evalsha_args), shared with
-# script_cost.sh.
+# The batch script's call for the ceiling (SPEC_ARGS, evalsha_args) and the algorithms of
+# its rules fw, sw and tb (CALL_ALGO), shared with script_cost.sh.
 # shellcheck source=scripts/batch_call.sh
 . scripts/batch_call.sh
+# Every rule's algorithm: the call's rules, then the others.
+declare -A ALGO=([over]=fixed_window [fwh]=fixed_window [swh]=sliding_window
+  [tbh]=token_bucket)
+for rule in "${!CALL_ALGO[@]}"; do ALGO[$rule]="${CALL_ALGO[$rule]}"; done
 
 TS_PID="" GRPC=""
 # start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's).
