@@ -24,10 +24,11 @@ local byte = string.byte
 -- needs none of this: its sweep visits every entry anyway.
 local SPREAD_MS = 60000
 
--- The counter's time to live (ms): to its window's end, then the offset.
+-- The counter's time to live (ms): to its window's end, then the offset. A ticket holds at
+-- least its space; one a hand-made call cut shorter than three characters still expires.
 local function ttl(s, ticket)
   local a, b, c = byte(ticket, 1, 3)
-  return s.ttl + (a * 7919 + b * 104729 + c * 1299709) % s.spread
+  return s.ttl + (a * 7919 + (b or 0) * 104729 + (c or 0) * 1299709) % s.spread
 end
 
 local function check(s, h)

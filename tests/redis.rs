@@ -634,9 +634,10 @@ async fn mixed_run(b: &RedisBackend) {
 }
 
 /// A call the batch script cannot read is refused whole, before it writes anything: the
-/// well-formed request in front of the flaw is not charged either. Each row is one call's
-/// KEYS and the ARGV after the spec (fixed window, 10 per minute): the request count, then
-/// per request its shape, ticket and extra values (`lua/batch.lua` has the layout).
+/// well-formed request in front of the flaw is not charged either. A call it can read writes
+/// counters that expire. Each row is one call's KEYS and the ARGV after the spec (fixed
+/// window, 10 per minute): the request count, then per request its shape, ticket and extra
+/// values (`lua/batch.lua` has the layout).
 #[test]
 fn a_call_the_script_cannot_read_writes_nothing() {
     /// A case, its KEYS, its requests' values, and a word of the error it gets (None: none).
@@ -645,8 +646,9 @@ fn a_call_the_script_cannot_read_writes_nothing() {
     let script = turnstile::backend::redis::batch_source();
     let good = ["a 1:1", "n1 0"];
     #[rustfmt::skip]
-    let cases: [Malformed; 8] = [
+    let cases: [Malformed; 9] = [
         ("well formed", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", "n2 0"], None),
+        ("a nonce of nothing", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", " 0"], None),
         ("no such mode", &["k1", "k2"], &["2", good[0], good[1], "x 1:1", "n2 0"], Some("shaped")),
         ("trailing text", &["k1", "k2"], &["2", good[0], good[1], "a 1:1 junk", "n2 0"], Some("shaped")),
         ("no such spec", &["k1", "k2"], &["2", good[0], good[1], "a 2:1", "n2 0"], Some("spec")),
@@ -676,6 +678,10 @@ fn a_call_the_script_cannot_read_writes_nothing() {
                     "{case}"
                 );
                 assert_eq!(written, 2, "{case}: one counter per key");
+                for key in server.keys("*") {
+                    let ttl: i64 = server.query(&["PTTL", &key]);
+                    assert!(ttl > 0, "{case}: {key} expires ({ttl})");
+                }
             }
             Some(words) => {
                 let err = reply.expect_err(case).to_string();
