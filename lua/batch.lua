@@ -104,7 +104,8 @@ end
 -- hit count and how many values follow the ticket, then per hit its spec, cost and cost's
 -- text; and, only where some hit has one, where each hit's lease (`lease`) and stamp
 -- (`stamp`) are among those values (nil: none). The commonest shape, one hit without a lease
--- outside a refund, is read by one match.
+-- outside a refund, is read by one match; where that hit costs something, its request
+-- charges (atomic or each) and its twin has a `take`, the shape names its spec as `quick`.
 local shapes = {}
 local a = 3 + 5 * spec_count + 1
 local requests, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
@@ -114,8 +115,11 @@ for _ = 1, requests do
   if not sh then
     local letter, index, cost = match(text, '^([aec]) (%d+):(%d+)$')
     if letter then
-      sh = { letter, 1, 0, specs[numbers[index] or number(index)], numbers[cost] or number(cost),
-        cost }
+      local spec = specs[numbers[index] or number(index)]
+      sh = { letter, 1, 0, spec, numbers[cost] or number(cost), cost }
+      if spec and spec.take and sh[5] > 0 and letter ~= 'c' then
+        sh.quick = spec
+      end
     else
       letter = match(text, '^[aecr]')
       sh = { letter, 0, 0 }
@@ -186,7 +190,11 @@ end
 -- Each request is decided here, inline: a function call per request costs more. A hit that
 -- costs something and holds no lease goes to its twin's `take` where it has one, given its
 -- values as they are: no table is filled for it unless the twin declines it (returns
--- nothing) or its charge is undone.
+-- nothing) or its charge is undone. A `quick` request, most of a busy call's, is its one
+-- hit's `take` and nothing more: `take` charges the hit exactly when it admits it, as the
+-- loop below would (it undoes a request's charges only when one of its hits is refused, and
+-- a lone refused hit has charged nothing), so there is nothing to undo and the reply is the
+-- hit's.
 local reply, n = {}, 0
 a, k = first, 0
 for _ = 1, requests do
@@ -214,52 +222,67 @@ for _ = 1, requests do
     reply[n] = 0
   else
     reply[n] = 1
-    local with_stamps = mode == 'e'
-    local charges, enforced_refused, quota_seen, quota_admitted = 0, false, false, false
-    local leases = sh.lease
-    for i = 1, count do
-      local j = 3 * i
-      local s, cost = sh[j + 1], sh[j + 2]
-      local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
-      if take and cost > 0 and not leased then
-        admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], ticket)
-        took = admitted
-      end
-      if admitted == nil then
-        local h, twin = load(sh, i, at, key, ticket), s.twin
-        admitted, remaining, reset, stamp = twin.check(s, h, now)
-        if leased and byte(h.lease) == GIVE then
-          twin.commit(s, h, now, ticket)
-        elseif admitted and cost > 0 then
-          twin.commit(s, h, now, ticket)
-          took = true
-        end
-      end
-      if took then
-        charges = charges + 1
-        charged[charges] = i
-      end
-      local role = s.role
-      if role == 'e' then
-        enforced_refused = enforced_refused or not admitted
-      elseif role == 'q' then
-        quota_seen = true
-        quota_admitted = quota_admitted or admitted
-      end
+    local quick, admitted, remaining, reset, stamp = sh.quick
+    if quick then
+      admitted, remaining, reset, stamp = quick.take(quick, KEYS[key + 1], sh[5], sh[6], ticket)
+    end
+    if admitted ~= nil then
       reply[n + 1] = admitted and remaining or -1 - remaining
       reply[n + 2] = reset
-      if with_stamps then
+      if mode == 'e' then
         reply[n + 3] = stamp
         n = n + 3
       else
         n = n + 2
       end
-    end
-    if charges > 0 and not (mode == 'e'
-        or (mode == 'a' and not enforced_refused and (quota_admitted or not quota_seen))) then
-      for c = charges, 1, -1 do
-        local h = load(sh, charged[c], at, key, ticket)
-        h.spec.twin.undo(h.spec, h, now)
+    else
+      local with_stamps = mode == 'e'
+      local charges, enforced_refused, quota_seen, quota_admitted = 0, false, false, false
+      local leases = sh.lease
+      for i = 1, count do
+        local j = 3 * i
+        local s, cost = sh[j + 1], sh[j + 2]
+        local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
+        if take and cost > 0 and not leased then
+          admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], ticket)
+          took = admitted
+        end
+        if admitted == nil then
+          local h, twin = load(sh, i, at, key, ticket), s.twin
+          admitted, remaining, reset, stamp = twin.check(s, h, now)
+          if leased and byte(h.lease) == GIVE then
+            twin.commit(s, h, now, ticket)
+          elseif admitted and cost > 0 then
+            twin.commit(s, h, now, ticket)
+            took = true
+          end
+        end
+        if took then
+          charges = charges + 1
+          charged[charges] = i
+        end
+        local role = s.role
+        if role == 'e' then
+          enforced_refused = enforced_refused or not admitted
+        elseif role == 'q' then
+          quota_seen = true
+          quota_admitted = quota_admitted or admitted
+        end
+        reply[n + 1] = admitted and remaining or -1 - remaining
+        reply[n + 2] = reset
+        if with_stamps then
+          reply[n + 3] = stamp
+          n = n + 3
+        else
+          n = n + 2
+        end
+      end
+      if charges > 0 and not (mode == 'e'
+          or (mode == 'a' and not enforced_refused and (quota_admitted or not quota_seen))) then
+        for c = charges, 1, -1 do
+          local h = load(sh, charged[c], at, key, ticket)
+          h.spec.twin.undo(h.spec, h, now)
+        end
       end
     end
   end
