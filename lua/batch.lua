@@ -104,8 +104,8 @@ end
 -- hit count and how many values follow the ticket, then per hit its spec, cost and cost's
 -- text; and, only where some hit has one, where each hit's lease (`lease`) and stamp
 -- (`stamp`) are among those values (nil: none). The commonest shape, one hit without a lease
--- outside a refund, is read by one match; where that hit costs something, its request
--- charges (atomic or each) and its twin has a `take`, the shape names its spec as `quick`.
+-- outside a refund, is read by one match; where that hit costs something and its request
+-- charges (atomic or each), the shape names the hit's spec as `quick`.
 local shapes = {}
 local a = 3 + 5 * spec_count + 1
 local requests, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
@@ -117,7 +117,7 @@ for _ = 1, requests do
     if letter then
       local spec = specs[numbers[index] or number(index)]
       sh = { letter, 1, 0, spec, numbers[cost] or number(cost), cost }
-      if spec and spec.take and sh[5] > 0 and letter ~= 'c' then
+      if spec and sh[5] > 0 and letter ~= 'c' then
         sh.quick = spec
       end
     else
@@ -191,10 +191,10 @@ end
 -- costs something and holds no lease goes to its twin's `take` where it has one, given its
 -- values as they are: no table is filled for it unless the twin declines it (returns
 -- nothing) or its charge is undone. A `quick` request, most of a busy call's, is its one
--- hit's `take` and nothing more: `take` charges the hit exactly when it admits it, as the
--- loop below would (it undoes a request's charges only when one of its hits is refused, and
--- a lone refused hit has charged nothing), so there is nothing to undo and the reply is the
--- hit's.
+-- hit's `take` (or check, then commit if admitted) and nothing more: the hit is charged
+-- exactly when admitted, as the loop below would (it undoes a request's charges only when
+-- one of its hits is refused, and a lone refused hit has charged nothing), so there is
+-- nothing to undo and the reply is the hit's.
 local reply, n = {}, 0
 a, k = first, 0
 for _ = 1, requests do
@@ -224,7 +224,17 @@ for _ = 1, requests do
     reply[n] = 1
     local quick, admitted, remaining, reset, stamp = sh.quick
     if quick then
-      admitted, remaining, reset, stamp = quick.take(quick, KEYS[key + 1], sh[5], sh[6], ticket)
+      local take = quick.take
+      if take then
+        admitted, remaining, reset, stamp = take(quick, KEYS[key + 1], sh[5], sh[6], ticket)
+      end
+      if admitted == nil then
+        local h, twin = load(sh, 1, at, key, ticket), quick.twin
+        admitted, remaining, reset, stamp = twin.check(quick, h, now)
+        if admitted then
+          twin.commit(quick, h, now, ticket)
+        end
+      end
     end
     if admitted ~= nil then
       reply[n + 1] = admitted and remaining or -1 - remaining
