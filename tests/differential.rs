@@ -1,7 +1,10 @@
 //! The algorithms exist twice, in Rust (the memory backend) and in Lua (the Redis scripts).
 //! These tests hold the two to one behaviour: generated request sequences run through the
 //! memory backend, a single Redis and a 3-master Cluster on one controlled clock, and every
-//! answer (admission, remaining, reset to the microsecond) must be identical.
+//! answer (admission, remaining, reset to the microsecond) must be identical. Some steps
+//! send several requests at one instant, which a fourth backend (a Redis of its own, one
+//! connection) is given all at once: the requests queued behind its call in flight share the
+//! next, whose answers must still be those of the requests decided one by one.
 //!
 //! proptest draws each sequence's seed and length and, on a disagreement, shrinks it to the
 //! shortest failing prefix (and a smaller seed where one fails too); the report prints the
@@ -15,6 +18,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::future::join_all;
 use proptest::prelude::{ProptestConfig, any};
 use proptest::test_runner::{TestCaseError, TestError, TestRunner};
 use redis::cluster_routing::Slot;
@@ -25,37 +29,61 @@ use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
-/// Sequences per run, and most requests per sequence (each draws its length up to it):
-/// ~2 000 requests on each of the three backends, a few seconds on a CI runner.
+/// Sequences per run, and most steps per sequence (each draws its length up to it): ~2 500
+/// requests on each backend, a few seconds on a CI runner.
 const SEQUENCES: u32 = 100;
-const REQUESTS: usize = 40;
+const STEPS: usize = 40;
 const SEC: Micros = 1_000_000;
 
-/// The three backends under test.
+/// The backends under test, by the name a report gives them.
+const BACKENDS: [&str; 4] = ["memory", "single", "cluster", "coalesced"];
+
+/// The backends under test: the memory backend, a single Redis and a Cluster, each given a
+/// step's requests one after another; and a single Redis of its own (`coalesced`, one
+/// connection) given them all at once, so that those queued behind its call in flight share
+/// the next one (the batch script deciding several requests in order).
 struct Backends {
     memory: MemoryBackend,
     single: RedisBackend,
     cluster: RedisBackend,
+    coalesced: RedisBackend,
+    /// Requests given to each backend so far.
+    requests: AtomicUsize,
 }
 
 impl Backends {
-    /// Every backend's answers to one request at `now`.
-    async fn answers(&self, hits: &[Hit], charging: Charging, now: Micros) -> [Vec<Outcome>; 3] {
-        let memory = self
-            .memory
-            .evaluate_now(hits, charging, now)
-            .expect("memory");
-        let single = self.single.evaluate_at(hits, charging, now).await;
-        let cluster = self.cluster.evaluate_at(hits, charging, now).await;
-        [
-            memory,
-            single.expect("single redis"),
-            cluster.expect("cluster"),
-        ]
+    /// Every backend's answers to the requests of one step, all at `now`, in `BACKENDS`'
+    /// order.
+    async fn answers(&self, requests: &[Request], now: Micros) -> [Vec<Vec<Outcome>>; 4] {
+        self.requests.fetch_add(requests.len(), Ordering::Relaxed);
+        let mut answers: [Vec<Vec<Outcome>>; 4] = Default::default();
+        for (hits, charging) in requests {
+            answers[0].push(
+                self.memory
+                    .evaluate_now(hits, *charging, now)
+                    .expect("memory"),
+            );
+            let single = self.single.evaluate_at(hits, *charging, now).await;
+            answers[1].push(single.expect("single redis"));
+            let cluster = self.cluster.evaluate_at(hits, *charging, now).await;
+            answers[2].push(cluster.expect("cluster"));
+        }
+        // Each request joins the coalesced backend's queue when first polled, in order.
+        let coalesced = join_all(
+            requests
+                .iter()
+                .map(|(hits, charging)| self.coalesced.evaluate_at(hits, *charging, now)),
+        )
+        .await;
+        answers[3] = coalesced
+            .into_iter()
+            .map(|answer| answer.expect("coalesced redis"))
+            .collect();
+        answers
     }
 }
 
-async fn backends(server: &RedisServer, cluster: &RedisCluster) -> Backends {
+async fn backends(server: &RedisServer, cluster: &RedisCluster, alone: &RedisServer) -> Backends {
     let config = |urls, mode| RedisConfig {
         urls,
         mode,
@@ -64,14 +92,22 @@ async fn backends(server: &RedisServer, cluster: &RedisCluster) -> Backends {
         connect_timeout: Duration::from_secs(5),
         ..RedisConfig::default()
     };
+    let connect = |config: RedisConfig| async move {
+        RedisBackend::connect(&config)
+            .await
+            .expect("connect to redis")
+    };
     Backends {
         memory: MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
-        single: RedisBackend::connect(&config(vec![server.url()], RedisMode::Single))
-            .await
-            .expect("connect to redis"),
-        cluster: RedisBackend::connect(&config(cluster.urls(), RedisMode::Cluster))
-            .await
-            .expect("connect to the cluster"),
+        single: connect(config(vec![server.url()], RedisMode::Single)).await,
+        cluster: connect(config(cluster.urls(), RedisMode::Cluster)).await,
+        // One call in flight: the requests behind it wait, in order, for the next.
+        coalesced: connect(RedisConfig {
+            connections: 1,
+            ..config(vec![alone.url()], RedisMode::Single)
+        })
+        .await,
+        requests: AtomicUsize::new(0),
     }
 }
 
@@ -238,8 +274,9 @@ fn step(rng: &mut fastrand::Rng, last: &[Outcome]) -> Micros {
 /// Runs so far: each sequence run gets its own keys.
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
-/// Run the first `length` requests of the sequence of `seed`; on the first disagreement, a
-/// report of what led to it.
+/// Run the first `length` steps of the sequence of `seed`; on the first disagreement, a
+/// report of what led to it. A step is one request, or a few at one instant (which the
+/// coalesced backend decides in shared calls).
 async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), String> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
@@ -256,42 +293,57 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
         now += step(&mut rng, &last).max(real);
         started = Instant::now();
 
-        let mut hits = Vec::new();
-        for _ in 0..rng.usize(1..=3) {
-            let rule = &rules[rng.usize(..rules.len())];
-            hits.extend(descriptor_hits(&mut rng, rule));
-        }
-        let charging = match rng.u8(..10) {
-            0 => Charging::PerDescriptor,
-            1 => Charging::Nothing,
-            _ => Charging::Atomic,
+        let together = if rng.u8(..4) == 0 {
+            rng.usize(2..=6)
+        } else {
+            1
         };
-        let [memory, single, cluster] = backends.answers(&hits, charging, now).await;
-        let _ = writeln!(log, "#{n} at {now} {charging:?}:");
-        for (h, o) in hits.iter().zip(&memory) {
-            let _ = writeln!(
-                log,
-                "  {} {}/{}s burst {} {:?} cost {} {:?} {:?} -> {:?}",
-                h.key,
-                h.limit.requests_per_unit,
-                h.limit.window,
-                h.limit.burst,
-                h.role,
-                h.hits,
-                h.lease,
-                h.limit.algorithm,
-                o
-            );
+        let requests: Vec<Request> = (0..together).map(|_| request(&mut rng, &rules)).collect();
+        let answers = backends.answers(&requests, now).await;
+        for (r, ((hits, charging), outcomes)) in requests.iter().zip(&answers[0]).enumerate() {
+            let _ = writeln!(log, "#{n}.{r} at {now} {charging:?}:");
+            for (h, o) in hits.iter().zip(outcomes) {
+                let _ = writeln!(
+                    log,
+                    "  {} {}/{}s burst {} {:?} cost {} {:?} {:?} -> {:?}",
+                    h.key,
+                    h.limit.requests_per_unit,
+                    h.limit.window,
+                    h.limit.burst,
+                    h.role,
+                    h.hits,
+                    h.lease,
+                    h.limit.algorithm,
+                    o
+                );
+            }
         }
-        if memory != single || memory != cluster {
-            return Err(format!(
-                "seed {seed}, length {length}: the backends disagree at request #{n}\n{log}\
-                 memory:  {memory:?}\nsingle:  {single:?}\ncluster: {cluster:?}"
-            ));
+        if answers.iter().any(|a| *a != answers[0]) {
+            let mut report =
+                format!("seed {seed}, length {length}: the backends disagree at step #{n}\n{log}");
+            for (name, answer) in BACKENDS.iter().zip(&answers) {
+                let _ = writeln!(report, "{name:>9}: {answer:?}");
+            }
+            return Err(report);
         }
-        last = memory;
+        last = answers[0].concat();
     }
     Ok(())
+}
+
+/// A request of one to three descriptors on `rules`, charged as drawn.
+fn request(rng: &mut fastrand::Rng, rules: &[Rule]) -> Request {
+    let mut hits = Vec::new();
+    for _ in 0..rng.usize(1..=3) {
+        let rule = &rules[rng.usize(..rules.len())];
+        hits.extend(descriptor_hits(rng, rule));
+    }
+    let charging = match rng.u8(..10) {
+        0 => Charging::PerDescriptor,
+        1 => Charging::Nothing,
+        _ => Charging::Atomic,
+    };
+    (hits, charging)
 }
 
 /// One request: its hits and how it charges.
@@ -301,9 +353,9 @@ type Request = (Vec<Hit>, Charging);
 /// answer every backend must give to the last one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drifts_once_found_stay_fixed() {
-    let server = RedisServer::start();
+    let (server, alone) = (RedisServer::start(), RedisServer::start());
     let cluster = RedisCluster::shared();
-    let backends = backends(&server, &cluster).await;
+    let backends = backends(&server, &cluster, &alone).await;
     let five = limit(Kind::Concurrency, 5, 60, 5);
     let lease = |key: &str, op, id: &str| Hit {
         key: key.into(),
@@ -369,25 +421,25 @@ async fn drifts_once_found_stay_fixed() {
     ];
     let mut now = 1_900_000_000 * SEC;
     for (what, requests, expected) in rows {
-        let mut answers = Vec::new();
-        for (hits, charging) in &requests {
+        let mut answers = Default::default();
+        for request in requests {
             now += 10_000;
-            answers = backends.answers(hits, *charging, now).await.to_vec();
+            answers = backends.answers(&[request], now).await;
         }
-        for (backend, answer) in ["memory", "single", "cluster"].iter().zip(&answers) {
-            assert_eq!(answer.as_slice(), [expected], "{what}: {backend}");
+        for (backend, answer) in BACKENDS.iter().zip(&answers) {
+            assert_eq!(answer.concat(), [expected], "{what}: {backend}");
         }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_redis_and_cluster_give_identical_answers_to_generated_sequences() {
-    let server = RedisServer::start();
+async fn every_backend_gives_identical_answers_to_generated_sequences() {
+    let (server, alone) = (RedisServer::start(), RedisServer::start());
     let cluster = RedisCluster::shared();
-    let backends = backends(&server, &cluster).await;
+    let backends = backends(&server, &cluster, &alone).await;
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
     if let Some(seed) = env("DIFFERENTIAL_SEED") {
-        let length = env("DIFFERENTIAL_LENGTH").map_or(REQUESTS, |n| n as usize);
+        let length = env("DIFFERENTIAL_LENGTH").map_or(STEPS, |n| n as usize);
         if let Err(report) = sequence(&backends, seed, length).await {
             panic!("{report}");
         }
@@ -399,24 +451,28 @@ async fn memory_redis_and_cluster_give_identical_answers_to_generated_sequences(
         failure_persistence: None,
         ..ProptestConfig::default()
     };
-    let requests = AtomicUsize::new(0);
+    let cases = config.cases;
     let runtime = tokio::runtime::Handle::current();
     let result = tokio::task::block_in_place(|| {
-        TestRunner::new(config).run(&(any::<u64>(), 1..=REQUESTS), |(seed, length)| {
-            requests.fetch_add(length, Ordering::Relaxed);
+        TestRunner::new(config).run(&(any::<u64>(), 1..=STEPS), |(seed, length)| {
             runtime
                 .block_on(sequence(&backends, seed, length))
                 .map_err(TestCaseError::fail)
         })
     });
     match result {
-        Ok(()) => println!(
-            "{SEQUENCES} sequences, {} requests on each backend",
-            requests.load(Ordering::Relaxed)
-        ),
+        Ok(()) => {}
         Err(TestError::Fail(report, (seed, length))) => {
             panic!("shrunk to seed {seed}, length {length}:\n{report}")
         }
         Err(other) => panic!("{other}"),
     }
+    // The coalesced backend must really have decided requests together.
+    let requests = backends.requests.load(Ordering::Relaxed) as u64;
+    let calls = alone.script_calls();
+    println!("{cases} sequences, {requests} requests on each backend, in {calls} coalesced calls");
+    assert!(
+        calls < requests,
+        "{requests} requests in {calls} calls: the coalesced backend never shared a call"
+    );
 }

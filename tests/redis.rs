@@ -1068,22 +1068,6 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
 
 // ---- over-limit cache ----------------------------------------------------------------------
 
-/// How many script calls the server has run.
-fn script_calls(server: &RedisServer) -> u64 {
-    let info: String = server.query(&["INFO", "commandstats"]);
-    ["evalsha", "eval"]
-        .iter()
-        .filter_map(|cmd| {
-            let line = info
-                .lines()
-                .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))?;
-            line.split(['=', ','])
-                .nth(1)
-                .and_then(|calls| calls.parse::<u64>().ok())
-        })
-        .sum()
-}
-
 #[tokio::test]
 async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuses() {
     use std::sync::Arc;
@@ -1100,14 +1084,14 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     let refused = one(&cache, &hot).await;
     assert!(!refused.admitted, "Redis refuses the second hit");
 
-    let calls = script_calls(&server);
+    let calls = server.script_calls();
     for _ in 0..20 {
         let cached = one(&cache, &hot).await;
         assert!(!cached.admitted);
         assert!(cached.reset_after <= refused.reset_after);
     }
     assert_eq!(
-        script_calls(&server),
+        server.script_calls(),
         calls,
         "refused locally: no round trip"
     );
@@ -1121,16 +1105,16 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     )
     .await;
     assert_eq!((raised.admitted, raised.remaining), (true, 3));
-    assert_eq!(script_calls(&server), calls + 2);
+    assert_eq!(server.script_calls(), calls + 2);
 
     // A request that the cache refuses is answered without a round trip and charges nothing
     // on its other hits.
     let other = hit("other", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
     assert_eq!(one(&cache, &other).await.remaining, 9);
-    let calls = script_calls(&server);
+    let calls = server.script_calls();
     let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
     assert_eq!((both[0].admitted, both[1].admitted), (true, false));
-    assert_eq!(script_calls(&server), calls, "refused at once");
+    assert_eq!(server.script_calls(), calls, "refused at once");
     assert_eq!(
         one(&cache, &other).await.remaining,
         8,
@@ -1840,7 +1824,7 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
     }
     away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(15)).await;
     for key in ["fixed", "bucket"] {
-        let calls_before = script_calls(&server);
+        let calls_before = server.script_calls();
         let mut admitted = 0;
         for i in 0..400 {
             let answer = clients[i % 4]
@@ -1852,7 +1836,7 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
                 admitted += 1;
             }
         }
-        let calls = script_calls(&server) - calls_before;
+        let calls = server.script_calls() - calls_before;
         println!(
             "{key}: 400 requests on 4 instances, limit 200, lease 10: admitted {admitted}, {calls} Redis script calls"
         );
@@ -1885,7 +1869,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     away_from_boundary(HOUR, Duration::from_secs(10)).await;
     assert!(one(&b, &hit("full", one_an_hour, 1)).await.admitted);
 
-    let calls_before = script_calls(&server);
+    let calls_before = server.script_calls();
     server.freeze();
     let busy = tokio::spawn({
         let b = b.clone();
@@ -1909,7 +1893,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
         refused.await.unwrap(),
         admitted.await.unwrap(),
     );
-    let calls = script_calls(&server) - calls_before;
+    let calls = server.script_calls() - calls_before;
     assert_eq!(calls, 2, "3 requests, the last two in one call");
     assert!(busy.admitted && busy.remaining == 9, "{busy:?}");
     assert!(!refused[0].admitted, "the full limit refuses: {refused:?}");

@@ -265,6 +265,22 @@ impl RedisServer {
         command.query(&mut self.connection()?)
     }
 
+    /// How many script calls (`EVALSHA` and `EVAL`) the server has run.
+    pub fn script_calls(&self) -> u64 {
+        let info: String = self.query(&["INFO", "commandstats"]);
+        ["evalsha", "eval"]
+            .iter()
+            .filter_map(|cmd| {
+                let line = info
+                    .lines()
+                    .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))?;
+                line.split(['=', ','])
+                    .nth(1)
+                    .and_then(|calls| calls.parse::<u64>().ok())
+            })
+            .sum()
+    }
+
     /// The first element of `ROLE`: "master", "slave" or "sentinel"; None if it does not answer.
     pub fn role(&self) -> Option<String> {
         let reply: redis::Value = self.try_query(&["ROLE"]).ok()?;
