@@ -297,5 +297,12 @@ for _ = 1, requests do
     end
   end
 end
+-- What a twin deferred within the call is written now (`finish`).
+for _, twin in pairs(ALGORITHMS) do
+  local finish = twin.finish
+  if finish then
+    finish()
+  end
+end
 reply[n + 1] = now
 return reply

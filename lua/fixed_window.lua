@@ -31,7 +31,25 @@ local function ttl(s, ticket)
   return s.ttl + (a * 7919 + (b or 0) * 104729 + (c or 0) * 1299709) % s.spread
 end
 
+-- A busy limit's requests follow one another in a call, on one counter: a charge on the
+-- counter the last take charged or refused is decided from the count that take returned,
+-- and the counter is owed it, paid in one INCRBY (`settle`) before anything else here reads
+-- or writes a counter, and when the call ends (`finish`). No one else sees the counter
+-- meanwhile (the call is atomic), and a run of charges on one counter costs Redis one
+-- command instead of one each. Not in the reference's layout, where every charge sets the
+-- expiry again.
+local last, count, owed = nil, 0, 0
+
+local function settle()
+  if owed > 0 then
+    call('INCRBY', last, format('%d', owed))
+    owed = 0
+  end
+  last = nil
+end
+
 local function check(s, h)
+  settle()
   local counter = h.key .. s.suffix
   h.counter = counter
   local after = tonumber(call('GET', counter) or '0') + h.cost
@@ -42,6 +60,7 @@ local function check(s, h)
 end
 
 local function commit(s, h, _, ticket)
+  settle()
   if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
     call('PEXPIRE', h.counter, ttl(s, ticket))
   end
@@ -71,9 +90,24 @@ return {
       return
     end
     local counter = key .. s.suffix
+    if counter == last then
+      local after = count + cost
+      if after > s.limit then
+        return false, 0, s.reset, s.start
+      end
+      count, owed = after, owed + cost
+      return true, s.limit - after, s.reset, s.start
+    end
+    if owed > 0 then
+      settle()
+    end
     local after = call('INCRBY', counter, cost_text)
+    if not every_charge_expires then
+      last, count = counter, after
+    end
     if after > s.limit then
       call('DECRBY', counter, cost_text)
+      count = after - cost
       return false, 0, s.reset, s.start
     end
     if after == cost or every_charge_expires then
@@ -86,14 +120,18 @@ return {
 
   -- Within the charging call: take the charge back.
   undo = function(s, h)
+    settle()
     call('DECRBY', h.key .. s.suffix, h.cost_text)
   end,
 
   -- h.stamp is the window the charge went to, so a refund never lands in a later window.
   refund = function(s, h)
+    settle()
     local counter = h.key .. separator .. h.stamp
     if call('EXISTS', counter) == 1 then
       call('DECRBY', counter, h.cost_text)
     end
   end,
+
+  finish = settle,
 }

@@ -13,8 +13,11 @@
 //! something and holds no lease, and charges it if admitted, in fewer commands than check
 //! and commit; it gets the hit's values as arguments (no hit table is filled for it), may
 //! decline a hit by returning nothing (the driver then checks and commits it), and leaves
-//! nothing for `undo`, which gets the hit in `h` like the others. A twin keeps in `s` and `h`
-//! what its own functions need later; the driver never reads it.
+//! nothing for `undo`, which gets the hit in `h` like the others. An optional `finish()` runs
+//! once at the end of every call that made the twin: a write the twin deferred within the
+//! call (the fixed window pays a run of charges on one counter in one `INCRBY`) is made by
+//! then. A twin keeps in `s` and `h` what its own functions need later; the driver never
+//! reads it.
 //!
 //! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
 //! and `algorithm` function exist (so a twin cannot register itself, under its own name or
