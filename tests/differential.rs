@@ -2,9 +2,10 @@
 //! These tests hold the two to one behaviour: generated request sequences run through the
 //! memory backend, a single Redis and a 3-master Cluster on one controlled clock, and every
 //! answer (admission, remaining, reset to the microsecond) must be identical. Some steps
-//! send several requests at one instant, which a fourth backend (a Redis of its own, one
-//! connection) is given all at once: the requests queued behind its call in flight share the
-//! next, whose answers must still be those of the requests decided one by one.
+//! have several requests: those three decide them one after another, while a Redis of its
+//! own (one connection) is given them all at once, at one instant, so that the requests
+//! queued behind its call in flight share the next; its answers must be those of a second
+//! memory backend deciding them one by one at that instant.
 //!
 //! proptest draws each sequence's seed and length and, on a disagreement, shrinks it to the
 //! shortest failing prefix (and a smaller seed where one fails too); the report prints the
@@ -36,38 +37,50 @@ const STEPS: usize = 40;
 const SEC: Micros = 1_000_000;
 
 /// The backends under test, by the name a report gives them.
-const BACKENDS: [&str; 4] = ["memory", "single", "cluster", "coalesced"];
+const BACKENDS: [&str; 5] = ["memory", "single", "cluster", "memory at once", "coalesced"];
 
-/// The backends under test: the memory backend, a single Redis and a Cluster, each given a
-/// step's requests one after another; and a single Redis of its own (`coalesced`, one
-/// connection) given them all at once, so that those queued behind its call in flight share
-/// the next one (the batch script deciding several requests in order).
+/// The backends under test. The memory backend, a single Redis and a Cluster are given a
+/// step's requests one after another, each at its own instant (Redis expires keys on real
+/// time, which passes between them). A second memory backend and a Redis of its own (one
+/// connection) are given them all at once, at the step's first instant: the requests queued
+/// behind the Redis one's call in flight share the next.
 struct Backends {
     memory: MemoryBackend,
     single: RedisBackend,
     cluster: RedisBackend,
+    at_once: MemoryBackend,
     coalesced: RedisBackend,
     /// Requests given to each backend so far.
     requests: AtomicUsize,
 }
 
 impl Backends {
-    /// Every backend's answers to the requests of one step, all at `now`, in `BACKENDS`'
-    /// order.
-    async fn answers(&self, requests: &[Request], now: Micros) -> [Vec<Vec<Outcome>>; 4] {
-        self.requests.fetch_add(requests.len(), Ordering::Relaxed);
-        let mut answers: [Vec<Vec<Outcome>>; 4] = Default::default();
-        for (hits, charging) in requests {
-            answers[0].push(
-                self.memory
+    /// The first three backends' answers to one request at `now`.
+    async fn one(&self, hits: &[Hit], charging: Charging, now: Micros) -> [Vec<Outcome>; 3] {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let memory = self
+            .memory
+            .evaluate_now(hits, charging, now)
+            .expect("memory");
+        let single = self.single.evaluate_at(hits, charging, now).await;
+        let cluster = self.cluster.evaluate_at(hits, charging, now).await;
+        [
+            memory,
+            single.expect("single redis"),
+            cluster.expect("cluster"),
+        ]
+    }
+
+    /// The other two backends' answers to `requests`, all at `now`.
+    async fn at_once(&self, requests: &[Request], now: Micros) -> [Vec<Vec<Outcome>>; 2] {
+        let memory = requests
+            .iter()
+            .map(|(hits, charging)| {
+                self.at_once
                     .evaluate_now(hits, *charging, now)
-                    .expect("memory"),
-            );
-            let single = self.single.evaluate_at(hits, *charging, now).await;
-            answers[1].push(single.expect("single redis"));
-            let cluster = self.cluster.evaluate_at(hits, *charging, now).await;
-            answers[2].push(cluster.expect("cluster"));
-        }
+                    .expect("memory")
+            })
+            .collect();
         // Each request joins the coalesced backend's queue when first polled, in order.
         let coalesced = join_all(
             requests
@@ -75,11 +88,11 @@ impl Backends {
                 .map(|(hits, charging)| self.coalesced.evaluate_at(hits, *charging, now)),
         )
         .await;
-        answers[3] = coalesced
+        let coalesced = coalesced
             .into_iter()
             .map(|answer| answer.expect("coalesced redis"))
             .collect();
-        answers
+        [memory, coalesced]
     }
 }
 
@@ -97,8 +110,10 @@ async fn backends(server: &RedisServer, cluster: &RedisCluster, alone: &RedisSer
             .await
             .expect("connect to redis")
     };
+    let memory = || MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES);
     Backends {
-        memory: MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
+        memory: memory(),
+        at_once: memory(),
         single: connect(config(vec![server.url()], RedisMode::Single)).await,
         cluster: connect(config(cluster.urls(), RedisMode::Cluster)).await,
         // One call in flight: the requests behind it wait, in order, for the next.
@@ -299,10 +314,17 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
             1
         };
         let requests: Vec<Request> = (0..together).map(|_| request(&mut rng, &rules)).collect();
-        let answers = backends.answers(&requests, now).await;
-        for (r, ((hits, charging), outcomes)) in requests.iter().zip(&answers[0]).enumerate() {
+        let first = now;
+        let mut answers: [Vec<Vec<Outcome>>; 5] = Default::default();
+        for (r, (hits, charging)) in requests.iter().enumerate() {
+            if r > 0 {
+                // Real time passed since the last request: the clock follows, as above.
+                now += started.elapsed().as_micros() as Micros + 2_000;
+                started = Instant::now();
+            }
+            let one = backends.one(hits, *charging, now).await;
             let _ = writeln!(log, "#{n}.{r} at {now} {charging:?}:");
-            for (h, o) in hits.iter().zip(outcomes) {
+            for (h, o) in hits.iter().zip(&one[0]) {
                 let _ = writeln!(
                     log,
                     "  {} {}/{}s burst {} {:?} cost {} {:?} {:?} -> {:?}",
@@ -317,12 +339,19 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
                     o
                 );
             }
+            for (answer, outcomes) in answers.iter_mut().zip(one) {
+                answer.push(outcomes);
+            }
         }
-        if answers.iter().any(|a| *a != answers[0]) {
-            let mut report =
-                format!("seed {seed}, length {length}: the backends disagree at step #{n}\n{log}");
+        let [at_once, coalesced] = backends.at_once(&requests, first).await;
+        (answers[3], answers[4]) = (at_once, coalesced);
+        if answers[1..3].iter().any(|a| *a != answers[0]) || answers[4] != answers[3] {
+            let mut report = format!(
+                "seed {seed}, length {length}: the backends disagree at step #{n} (the last \
+                 two deciding all its requests at {first})\n{log}"
+            );
             for (name, answer) in BACKENDS.iter().zip(&answers) {
-                let _ = writeln!(report, "{name:>9}: {answer:?}");
+                let _ = writeln!(report, "{name:>14}: {answer:?}");
             }
             return Err(report);
         }
@@ -421,13 +450,16 @@ async fn drifts_once_found_stay_fixed() {
     ];
     let mut now = 1_900_000_000 * SEC;
     for (what, requests, expected) in rows {
-        let mut answers = Default::default();
+        let mut answers = Vec::new();
         for request in requests {
             now += 10_000;
-            answers = backends.answers(&[request], now).await;
+            let [at_once, coalesced] = backends.at_once(std::slice::from_ref(&request), now).await;
+            let (hits, charging) = request;
+            answers = backends.one(&hits, charging, now).await.to_vec();
+            answers.extend([at_once.concat(), coalesced.concat()]);
         }
         for (backend, answer) in BACKENDS.iter().zip(&answers) {
-            assert_eq!(answer.concat(), [expected], "{what}: {backend}");
+            assert_eq!(answer.as_slice(), [expected], "{what}: {backend}");
         }
     }
 }
