@@ -50,14 +50,13 @@ struct Backends {
     cluster: RedisBackend,
     at_once: MemoryBackend,
     coalesced: RedisBackend,
-    /// Requests given to each backend so far.
+    /// Requests given to the coalesced backend so far (to compare with its script calls).
     requests: AtomicUsize,
 }
 
 impl Backends {
     /// The first three backends' answers to one request at `now`.
     async fn one(&self, hits: &[Hit], charging: Charging, now: Micros) -> [Vec<Outcome>; 3] {
-        self.requests.fetch_add(1, Ordering::Relaxed);
         let memory = self
             .memory
             .evaluate_now(hits, charging, now)
@@ -73,6 +72,7 @@ impl Backends {
 
     /// The other two backends' answers to `requests`, all at `now`.
     async fn at_once(&self, requests: &[Request], now: Micros) -> [Vec<Vec<Outcome>>; 2] {
+        self.requests.fetch_add(requests.len(), Ordering::Relaxed);
         let memory = requests
             .iter()
             .map(|(hits, charging)| {
