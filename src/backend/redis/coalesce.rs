@@ -163,20 +163,21 @@ pub(super) async fn call(
         mailbox: Mailbox::here(),
         retried: false,
     };
-    let batch = {
+    let start = {
         let mut queue = lock(&lane.queue);
         if queue.waiting.len() >= MAX_QUEUED || queue.hits + hits > MAX_QUEUED_HITS {
             return Err(BackendError::Overloaded);
         }
         queue.waiting.push_back(request);
         queue.hits += hits;
-        (queue.in_flight < lanes.in_flight).then(|| {
+        let start = queue.in_flight < lanes.in_flight;
+        if start {
             queue.in_flight += 1;
-            take(&mut queue, lanes.batch)
-        })
+        }
+        start
     };
-    if let Some(batch) = batch {
-        io().spawn(drive(Arc::clone(shared), lane, batch));
+    if start {
+        io().spawn(drive(Arc::clone(shared), lane));
     }
     let lost = || Err(BackendError::Unavailable("a Redis call was lost".into()));
     if let Ok(answer) = tokio::time::timeout_at(until.into(), &mut reply).await {
@@ -223,21 +224,27 @@ fn take(queue: &mut Queue, batch: usize) -> Vec<Request> {
     taken
 }
 
-/// One of a lane's call slots: send `batch`, then whatever queued meanwhile, until the queue
-/// is empty.
-async fn drive(shared: Arc<Shared>, lane: Arc<Lane>, mut batch: Vec<Request>) {
+/// One of a lane's call slots: send what is queued, then whatever queued meanwhile, until
+/// the queue is empty. The first call's requests are taken when this task first runs on the
+/// I/O thread, not when it was spawned: the requests that arrived while that thread woke up
+/// (a burst a serving thread read from one socket read, say) go in it too, at no wait of
+/// their own.
+async fn drive(shared: Arc<Shared>, lane: Arc<Lane>) {
+    let mut again: Vec<Request> = Vec::new();
     loop {
-        let again = send(&shared, batch).await;
-        let mut queue = lock(&lane.queue);
-        for request in again.into_iter().rev() {
-            queue.hits += request.part.len();
-            queue.waiting.push_front(request);
-        }
-        if queue.waiting.is_empty() {
-            queue.in_flight -= 1;
-            return;
-        }
-        batch = take(&mut queue, shared.lanes.batch);
+        let batch = {
+            let mut queue = lock(&lane.queue);
+            for request in again.into_iter().rev() {
+                queue.hits += request.part.len();
+                queue.waiting.push_front(request);
+            }
+            if queue.waiting.is_empty() {
+                queue.in_flight -= 1;
+                return;
+            }
+            take(&mut queue, shared.lanes.batch)
+        };
+        again = send(&shared, batch).await;
     }
 }
 
@@ -311,7 +318,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
             return Vec::new();
         }
     };
-    let mut again = Vec::new();
+    let mut again: Vec<Request> = Vec::new();
     for (mut request, replies) in live.into_iter().zip(answer.replies) {
         match replies {
             Some(replies) => {
