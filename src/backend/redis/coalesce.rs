@@ -6,8 +6,9 @@
 //! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
 //! share a slot) has at most `connections` calls in flight; requests that arrive meanwhile
 //! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
-//! idle lane sends at once: nobody waits for others to arrive. A batch of 1 sends every
-//! request at once in a call of its own, as many in flight as there are requests.
+//! idle lane sends at once: nobody waits for others to arrive (its call takes the queue when
+//! the I/O thread runs it, with whatever queued while that thread woke). A batch of 1 sends
+//! every request at once in a call of its own, as many in flight as there are requests.
 //!
 //! Calls run on a runtime of their own (one thread, `io`) that also drives the connections,
 //! so a reply is read, and a call timed, when Redis answers, however far behind the threads
