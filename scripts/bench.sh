@@ -12,9 +12,11 @@
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
-#   f. before/after: with BENCH_BASELINE=<a turnstile binary built from an earlier commit>,
-#      that binary and this build in turn, same load, same run; and a fleet: 4 instances
-#      sharing one Redis (total decisions/s, Redis CPU per decision);
+#   f. before/after: with BENCH_BASELINE=<turnstile binaries built from earlier commits, as
+#      LABEL=PATH, comma-separated> (a bare PATH is labelled "baseline"; the label "issue"
+#      names the build issue 15 measured as "today", 4fa4128, which its targets are then
+#      also read against), those binaries and this build in turn, same load, same run; and
+#      a fleet: 4 instances sharing one Redis (total decisions/s, Redis CPU per decision);
 #   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
 #      expire (each build, 20 s across a minute's end).
 #
@@ -375,16 +377,26 @@ for rule in fwh swh tbh; do
 done
 
 # ---------------------------------------------------------------------------------------
-# f. Before/after in one run: the baseline binary and this build alternate (A B A B), so a
-#    drift in the machine's load hits both alike.
-if [ -n "${BENCH_BASELINE:-}" ]; then
-  log "before/after: $BENCH_BASELINE vs this build"
+# f. Before/after in one run: the baselines and this build alternate (A B A B), so a drift
+#    in the machine's load hits all alike.
+declare -A BUILD=([current]="$BIN")
+sides=()
+IFS=, read -ra baselines <<<"${BENCH_BASELINE:-}"
+for baseline in "${baselines[@]}"; do
+  label=baseline path="$baseline"
+  [[ "$baseline" == *=* ]] && label="${baseline%%=*}" path="${baseline#*=}"
+  [ -x "$path" ] || { echo "BENCH_BASELINE: $path is not an executable" >&2; exit 2; }
+  [ -z "${BUILD[$label]:-}" ] || { echo "BENCH_BASELINE: $label twice" >&2; exit 2; }
+  BUILD[$label]="$path"
+  sides+=("$label")
+done
+if [ "${#sides[@]}" -gt 0 ]; then
+  sides+=(current)
+  log "before/after: ${sides[*]}"
   for backend in memory redis; do
     for round in 1 2; do
-      for side in baseline current; do
-        bin="$BIN"
-        [ "$side" = baseline ] && bin="$BENCH_BASELINE"
-        TS_BIN="$bin" start_turnstile "$backend"
+      for side in "${sides[@]}"; do
+        TS_BIN="${BUILD[$side]}" start_turnstile "$backend"
         [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
         load "ab/$backend/$side/$round" "$backend" fw "$BIG"
         stop "$TS_PID"
@@ -394,29 +406,23 @@ if [ -n "${BENCH_BASELINE:-}" ]; then
 fi
 
 # g. A window's end: fixed-window counters made in one minute expire after it ends, which
-#    must not stall Redis (its expiry deletes keys in cycles of up to 25 ms). Each build
-#    (the baseline too, if given) runs 20 s from 15 s before a minute's end, with Redis's
-#    latency monitor on; its longest expire cycle is recorded beside the load.
+#    must not stall Redis (its expiry deletes keys in cycles of up to 25 ms). This build runs
+#    20 s from 15 s before a minute's end, with Redis's latency monitor on; its longest
+#    expire cycle is recorded beside the load.
 rcli CONFIG SET latency-monitor-threshold 1 >/dev/null
-builds=(current)
-[ -n "${BENCH_BASELINE:-}" ] && builds=(baseline current)
-for side in "${builds[@]}"; do
-  bin="$BIN"
-  [ "$side" = baseline ] && bin="$BENCH_BASELINE"
-  TS_BIN="$bin" start_turnstile redis
-  sleep $(((105 - $(date +%s) % 60) % 60))
-  log "a window's end: $side"
-  rcli FLUSHALL >/dev/null
-  rcli LATENCY RESET >/dev/null
-  LOAD_WARMUP=0s LOAD_DURATION=20s load "rollover/$side" redis fw "$BIG"
-  stall="$(rcli LATENCY LATEST | awk 'found == 1 && ++n == 3 {print; exit} $0 == "expire-cycle" {found = 1}')"
-  jq -c --arg stall "${stall:-0}" '. + {expire_cycle_max_ms: ($stall | tonumber)}' \
-    <(tail -n 1 "$RESULTS") >"$TMP/last.json"
-  sed -i '$ d' "$RESULTS"
-  cat "$TMP/last.json" >>"$RESULTS"
-  log "  longest expire cycle: ${stall:-0} ms"
-  stop "$TS_PID"
-done
+start_turnstile redis
+sleep $(((105 - $(date +%s) % 60) % 60))
+log "a window's end"
+rcli FLUSHALL >/dev/null
+rcli LATENCY RESET >/dev/null
+# Its record gets the longest cycle before it joins the results.
+RESULTS="$TMP/rollover.jsonl" LOAD_WARMUP=0s LOAD_DURATION=20s \
+  load "rollover/current" redis fw "$BIG"
+stall="$(rcli LATENCY LATEST | awk 'found == 1 && ++n == 3 {print; exit} $0 == "expire-cycle" {found = 1}')"
+jq -c --arg stall "${stall:-0}" '. + {expire_cycle_max_ms: ($stall | tonumber)}' \
+  "$TMP/rollover.jsonl" >>"$RESULTS"
+log "  longest expire cycle: ${stall:-0} ms"
+stop "$TS_PID"
 rcli CONFIG SET latency-monitor-threshold 0 >/dev/null
 
 # A fleet: FLEET instances on one Redis, the load spread over them (one connection each, 64

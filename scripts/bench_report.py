@@ -176,9 +176,11 @@ def main(argv):
 
     ab = [r for r in rows if r["name"].startswith("ab/")]
     if ab:
-        table("Before/after (this run: the baseline binary and this build in turn, fixed window, 100 000 keys, 64 in flight)", "| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---:|")
+        table("Before/after (this run: the baseline binaries and this build in turn, fixed window, 100 000 keys, 64 in flight)", "| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---:|")
+        # Builds in the order they ran.
+        sides = list(dict.fromkeys(r["name"].split("/")[2] for r in ab))
         for backend in ("memory", "redis"):
-            for side in ("baseline", "current"):
+            for side in sides:
                 runs = sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
                 if not runs:
                     continue
@@ -189,8 +191,9 @@ def main(argv):
                 redis_cpu = each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–"
                 p99 = each(lambda r: f"{r['latency_ms']['p99']:.2f}")
                 errors = sum(r["errors"] for r in runs)
+                build = {"issue": "issue 15's \"today\" (4fa4128)"}.get(side, side)
                 w(
-                    f"| {backend} | {side} | {each(lambda r: fmt_int(r['rps']))} | {ts_cpu} | "
+                    f"| {backend} | {build} | {each(lambda r: fmt_int(r['rps']))} | {ts_cpu} | "
                     f"{redis_cpu} | {p99} | {errors} |"
                 )
 
@@ -283,6 +286,25 @@ def main(argv):
     if on and off:
         gain = on["rps"] / off["rps"]
         checks.append(("coalescing at least doubles decisions/s (64 in flight, same run)", gain >= 2, f"×{gain:.2f} ({fmt_int(off['rps'])} → {fmt_int(on['rps'])}/s)"))
+    # The same targets against the build the issue measured as "today", in turn with this
+    # one (section f): the mean over their rounds.
+    def rounds(backend, side):
+        return [r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")]
+
+    def mean(runs, f):
+        return sum(f(r) for r in runs) / len(runs)
+
+    issue, now = rounds("redis", "issue"), rounds("redis", "current")
+    if issue and now:
+        then_rps, now_rps = mean(issue, lambda r: r["rps"]), mean(now, lambda r: r["rps"])
+        checks.append(("decisions/s at least double the issue's build (Redis, 64 in flight, same run)", now_rps >= 2 * then_rps, f"×{now_rps / then_rps:.2f} ({fmt_int(then_rps)} → {fmt_int(now_rps)}/s)"))
+        for process, name, bound in (("redis", "Redis", 5), ("turnstile", "turnstile", 15)):
+            then_us, now_us = (mean(runs, lambda r: cpu_of(r, process)) for runs in (issue, now))
+            checks.append((f"{name} CPU ≤ {bound} µs per decision on Redis, beside the issue's build (same run)", now_us <= bound, f"{then_us:.1f} → {now_us:.1f} µs"))
+    issue, now = rounds("memory", "issue"), rounds("memory", "current")
+    if issue and now:
+        then_us, now_us = (mean(runs, lambda r: cpu_of(r, "turnstile")) for runs in (issue, now))
+        checks.append(("memory backend ≤ 12 µs turnstile CPU per call, beside the issue's build (same run)", now_us <= 12, f"{then_us:.1f} → {now_us:.1f} µs"))
     healthy = [r for r in rows if r["name"].startswith("redis_batch_default/")]
     if healthy:
         errors = ", ".join(f"{r['concurrency']}: {r['errors']}" for r in sorted(healthy, key=lambda r: r["concurrency"]))
