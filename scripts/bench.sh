@@ -18,7 +18,7 @@
 #      also read against), those binaries and this build in turn, same load, same run; and
 #      a fleet: 4 instances sharing one Redis (total decisions/s, Redis CPU per decision);
 #   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
-#      expire (each build, 20 s across a minute's end).
+#      expire (this build, 20 s across a minute's end).
 #
 # It builds release, starts its own redis-server (free loopback port, never 6379, no
 # persistence) and turnstile processes, and stops every one of them by PID when it ends, on

@@ -175,13 +175,18 @@ def main(argv):
             w(f"| {r['per_call']} | {fmt_int(r['decisions_per_s'])} | {r['redis_cpu_us_per_decision']:.1f} |")
 
     ab = [r for r in rows if r["name"].startswith("ab/")]
+
+    def rounds(backend, side):
+        """The before/after runs of one build on one backend, round by round."""
+        return sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
+
     if ab:
         table("Before/after (this run: the baseline binaries and this build in turn, fixed window, 100 000 keys, 64 in flight)", "| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---:|")
         # Builds in the order they ran.
         sides = list(dict.fromkeys(r["name"].split("/")[2] for r in ab))
         for backend in ("memory", "redis"):
             for side in sides:
-                runs = sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
+                runs = rounds(backend, side)
                 if not runs:
                     continue
                 def each(f):
@@ -288,9 +293,6 @@ def main(argv):
         checks.append(("coalescing at least doubles decisions/s (64 in flight, same run)", gain >= 2, f"×{gain:.2f} ({fmt_int(off['rps'])} → {fmt_int(on['rps'])}/s)"))
     # The same targets against the build the issue measured as "today", in turn with this
     # one (section f): the mean over their rounds.
-    def rounds(backend, side):
-        return [r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")]
-
     def mean(runs, f):
         return sum(f(r) for r in runs) / len(runs)
 

@@ -319,7 +319,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
             return Vec::new();
         }
     };
-    let mut again: Vec<Request> = Vec::new();
+    let mut again = Vec::new();
     for (mut request, replies) in live.into_iter().zip(answer.replies) {
         match replies {
             Some(replies) => {
