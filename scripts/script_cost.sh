@@ -4,9 +4,9 @@
 # requests in calls of 1, 10 and 64 (fixed window) or 1 and 16 requests, with tickets as
 # long as turnstile's, over 1 000 keys (the keys exist after the warm-up, so the count is
 # the decisions', not the keyspace's growth); and the fixed window's calls of 10 and 64 on
-# one hot key, every request of a call on one counter. Then, for the fixed window's calls, what part
-# is Redis's own: the same calls to a script that returns at once (reading the values,
-# running a script, replying), and to one that only runs INCRBY once per key.
+# one hot key, every request of a call on one counter. Then, for the fixed window's calls,
+# what part is Redis's own: the same calls to a script that returns at once (reading the
+# values, running a script, replying), and to one that only runs INCRBY once per key.
 #
 # Usage: scripts/script_cost.sh [TURNSTILE_BINARY]   (default: this build's release binary)
 # Needs valgrind (callgrind_control), redis-server, redis-benchmark and redis-cli. It starts

@@ -1379,20 +1379,10 @@ async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
                 .map(tonic::Response::into_inner),
         )
     };
-    let scripts = || {
-        let info: String = redis.query(&["INFO", "commandstats"]);
-        let calls = |cmd: &str| -> u64 {
-            info.lines()
-                .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
-                .and_then(|rest| rest.split(',').next()?.parse().ok())
-                .unwrap_or(0)
-        };
-        calls("evalsha") + calls("eval")
-    };
     for i in 1..=3 {
         assert_eq!(call().await, Answer::Ok(vec![SMALL_LIMIT - i]), "before");
     }
-    let before = block_in_place(scripts);
+    let before = block_in_place(|| redis.script_calls());
 
     block_in_place(|| redis.freeze());
     let timed_out = call().await;
@@ -1404,7 +1394,7 @@ async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
         "{timed_out:?}"
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let ran = block_in_place(scripts) - before;
+    let ran = block_in_place(|| redis.script_calls()) - before;
     let after = call().await;
     println!(
         "[faults] late decision: {ran} script run after the thaw; the next call left {:?} of {SMALL_LIMIT} (had the timed-out call been charged: {})",
