@@ -298,22 +298,48 @@ struct Run {
     cap: u64,
 }
 
-/// An open loop's timetable: call `i` is due at `start + i * interval`. A pacer thread
-/// releases each call (one semaphore permit) when it falls due; a free worker takes it at
-/// once. The pacer sleeps until the next due time, or `--pacer-tick` at most, so a call may
-/// leave up to that much (plus the thread's wake-up) after its due time; latency counts from
-/// the due time, so that delay is included, never hidden, and the service time (send to
+/// An open loop's timetable: call `i` is due `i / rate` seconds after `start`. A pacer
+/// thread releases each call (one semaphore permit) when it falls due; a free worker takes
+/// it at once. The pacer sleeps until the next due time, or `--pacer-tick` at most, so a call
+/// may leave up to that much (plus the thread's wake-up) after its due time; latency counts
+/// from the due time, so that delay is included, never hidden, and the service time (send to
 /// answer) is reported beside it.
 struct Schedule {
-    start: Instant,
-    interval: Duration,
-    /// Calls due in the whole run (warm-up included).
-    total: u64,
+    /// Every call of the run, the warm-up's included.
+    timetable: Timetable,
     released: Arc<tokio::sync::Semaphore>,
     /// Next call to take.
     next: Arc<AtomicU64>,
     /// Calls due but never sent, set when the pacer ends.
     unsent: Arc<AtomicU64>,
+}
+
+/// When each call of an open loop is due: call `i` at `i / rate` seconds after `start`. The
+/// pacer's releases and sleeps and each call's latency all read [`Timetable::due`]: a due
+/// time computed two ways (an interval rounded to the nanosecond, against `elapsed × rate`)
+/// drifts a fraction of a nanosecond a call, and once the drift passes one interval the pacer
+/// finds its next call already due by one reckoning and not by the other, and spins.
+#[derive(Debug, Clone, Copy)]
+struct Timetable {
+    start: std::time::Instant,
+    rate: f64,
+    /// Calls in the whole run.
+    total: u64,
+}
+
+impl Timetable {
+    fn due(&self, i: u64) -> std::time::Instant {
+        self.start + Duration::from_secs_f64(i as f64 / self.rate)
+    }
+
+    /// How many calls are due at `now`, given that `done` were: every call up to the first
+    /// not yet due (or all of them).
+    fn due_at(&self, mut done: u64, now: std::time::Instant) -> u64 {
+        while done < self.total && self.due(done) <= now {
+            done += 1;
+        }
+        done
+    }
 }
 
 impl Schedule {
@@ -323,9 +349,11 @@ impl Schedule {
             total = total.min(warmup_calls + cap);
         }
         Schedule {
-            start,
-            interval: Duration::from_secs_f64(1.0 / rate),
-            total,
+            timetable: Timetable {
+                start: start.into_std(),
+                rate,
+                total,
+            },
             released: Arc::new(tokio::sync::Semaphore::new(0)),
             next: Arc::new(AtomicU64::new(0)),
             unsent: Arc::new(AtomicU64::new(0)),
@@ -335,34 +363,28 @@ impl Schedule {
     /// Release calls as they fall due, on a thread of its own (a runtime timer is only
     /// precise to the millisecond). Once all are released it waits for them to be taken, at
     /// most `grace` past the end, then counts the rest as unsent and stops the workers.
-    fn spawn_pacer(
-        &self,
-        rate: f64,
-        tick: Duration,
-        grace: Duration,
-    ) -> std::thread::JoinHandle<()> {
+    fn spawn_pacer(&self, tick: Duration, grace: Duration) -> std::thread::JoinHandle<()> {
         let (released, next, unsent) = (
             self.released.clone(),
             self.next.clone(),
             self.unsent.clone(),
         );
-        let (start, interval, total) = (self.start.into_std(), self.interval, self.total);
-        let end = start + interval.mul_f64(total as f64) + grace;
+        let timetable = self.timetable;
+        let total = timetable.total;
+        let end = timetable.due(total) + grace;
         std::thread::spawn(move || {
             let mut done = 0u64;
             while done < total {
-                let due = (start.elapsed().as_secs_f64() * rate) as u64 + 1;
-                let due = due.min(total);
+                let now = std::time::Instant::now();
+                let due = timetable.due_at(done, now);
                 if due > done {
                     released.add_permits((due - done) as usize);
                     done = due;
                 }
-                let next_due = start + interval.mul_f64(done as f64);
-                std::thread::sleep(
-                    next_due
-                        .saturating_duration_since(std::time::Instant::now())
-                        .min(tick),
-                );
+                if done < total {
+                    let wait = timetable.due(done).saturating_duration_since(now);
+                    std::thread::sleep(wait.min(tick));
+                }
             }
             while next.load(Ordering::Relaxed) < total && std::time::Instant::now() < end {
                 std::thread::sleep(Duration::from_millis(1));
@@ -379,7 +401,7 @@ impl Schedule {
     async fn take(&self) -> Option<Instant> {
         self.released.acquire().await.ok()?.forget();
         let slot = self.next.fetch_add(1, Ordering::Relaxed);
-        (slot < self.total).then(|| self.start + self.interval.mul_f64(slot as f64))
+        (slot < self.timetable.total).then(|| self.timetable.due(slot).into())
     }
 }
 
@@ -727,12 +749,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         measured: AtomicU64::new(0),
         cap: args.requests,
     });
-    let pacer = match (&run.schedule, args.rate) {
-        (Some(schedule), Some(rate)) => {
-            Some(schedule.spawn_pacer(rate, args.pacer_tick, args.timeout))
-        }
-        _ => None,
-    };
+    let pacer = run
+        .schedule
+        .as_ref()
+        .map(|schedule| schedule.spawn_pacer(args.pacer_tick, args.timeout));
 
     // CPU is sampled when counting starts and once every worker is done.
     let cpu_at_start = tokio::spawn({
@@ -846,10 +866,45 @@ mod tests {
     #[test]
     fn an_open_loop_schedule_counts_its_calls() {
         let start = Instant::now();
-        let s = Schedule::new(start, 1000.0, 2.5, 0, 0);
-        assert_eq!((s.total, s.interval), (2500, Duration::from_millis(1)));
+        let s = Schedule::new(start, 1000.0, 2.5, 0, 0).timetable;
+        assert_eq!(s.total, 2500);
+        assert_eq!(s.due(7) - s.start, Duration::from_millis(7));
         // --requests caps the measured calls, after the warm-up's.
-        assert_eq!(Schedule::new(start, 1000.0, 2.5, 100, 500).total, 600);
+        assert_eq!(
+            Schedule::new(start, 1000.0, 2.5, 100, 500).timetable.total,
+            600
+        );
+    }
+
+    #[test]
+    fn the_pacer_releases_what_is_due_and_then_has_time_to_sleep() {
+        // Rates whose interval is no whole number of nanoseconds, over a long run: the calls
+        // released at a moment are due by then, and the next is not (so the pacer sleeps
+        // rather than spins), however far into the run.
+        let start = std::time::Instant::now();
+        for rate in [42_605.0, 30_000.0, 7.0] {
+            let timetable = Timetable {
+                start,
+                rate,
+                total: (120.0 * rate) as u64,
+            };
+            let mut done = 0;
+            for ms in [
+                0, 1, 999, 1_000, 1_001, 20_000, 59_999, 60_000, 119_999, 200_000,
+            ] {
+                let now = start + Duration::from_millis(ms);
+                done = timetable.due_at(done, now);
+                assert!(
+                    done > 0 && timetable.due(done - 1) <= now,
+                    "{rate}/s at {ms} ms"
+                );
+                if done < timetable.total {
+                    assert!(timetable.due(done) > now, "{rate}/s at {ms} ms");
+                }
+                let expected = ((ms as f64 / 1e3 * rate).floor() as u64 + 1).min(timetable.total);
+                assert!(done.abs_diff(expected) <= 1, "{rate}/s at {ms} ms: {done}");
+            }
+        }
     }
 
     #[test]
