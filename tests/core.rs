@@ -2040,3 +2040,55 @@ async fn environment_probe() {
     assert_eq!(code(&t.call(one()).await.unwrap()), Code::Ok);
     assert_eq!(code(&t.call(one()).await.unwrap()), Code::OverLimit);
 }
+
+/// The load generator the benchmarks read (`turnstile-bench`) against the real binary: an
+/// open loop sends each call of its timetable once, none late enough to go unsent, and counts
+/// every answer by its code (a limit of 400 an hour, 500 calls on one key).
+#[tokio::test]
+async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_answers() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: turnstile_bench::BenchArgs,
+    }
+    let rules = Rules::new(
+        "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 400}\n",
+    );
+    let t = Turnstile::start(rules.path(), &[]).await;
+    let target = t.grpc.to_string();
+    let args = Cli::parse_from([
+        "turnstile-bench",
+        "--target",
+        &target,
+        "--domain",
+        "gen",
+        "--key",
+        "k",
+        "--keys",
+        "1",
+        "--rate",
+        "1000",
+        "--duration",
+        "500ms",
+        "--warmup",
+        "0s",
+        "--threads",
+        "1",
+    ])
+    .args;
+    let report = turnstile_bench::run(args).await.expect("the load runs");
+    assert_eq!(
+        (
+            report.calls,
+            report.ok,
+            report.over_limit,
+            report.errors_total(),
+            report.unsent
+        ),
+        (500, 400, 100, 0, 0),
+        "{}",
+        report.text()
+    );
+    assert!(report.latency_ms(0.5) > 0.0, "{}", report.text());
+}

@@ -26,6 +26,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use hdrhistogram::Histogram;
 use tokio::time::Instant;
+use tonic::codegen::{Body, Bytes, StdError};
 use tonic::transport::{Channel, Endpoint};
 
 /// The message of the DEADLINE_EXCEEDED a call gets when it passes the client-side bound.
@@ -449,12 +450,19 @@ pub trait Calls: Send {
 
 /// A closed-loop worker: sends each call of `calls` when the one before has answered, on
 /// `clients` in turn from `first`, each bounded by `timeout`. Returns `calls` when it ends.
-pub async fn worker<C: Calls>(
+pub async fn worker<C: Calls, S>(
     mut calls: C,
-    mut clients: Vec<RateLimitServiceClient<Channel>>,
+    mut clients: Vec<RateLimitServiceClient<S>>,
     first: usize,
     timeout: Duration,
-) -> C {
+) -> C
+where
+    S: tonic::client::GrpcService<tonic::body::Body> + Send,
+    S::Error: Into<StdError>,
+    S::Future: Send,
+    S::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <S::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
     let mut turn = first;
     while let Some((due, request)) = calls.next().await {
         let count = clients.len();
@@ -516,14 +524,84 @@ pub async fn channel(target: &str) -> anyhow::Result<Channel> {
         .with_context(|| format!("cannot connect to {uri}"))
 }
 
-async fn connect(targets: &[String], per_target: usize) -> anyhow::Result<Vec<Channel>> {
-    let mut channels = Vec::with_capacity(targets.len() * per_target);
+/// One HTTP/2 connection as the generated client's transport. The generator does not use
+/// tonic's `Channel`: a `Channel` hands each call to a buffer task of its own before the
+/// connection's task sees it, a hop (and often a wake-up) per call that an open loop's
+/// spaced-out calls pay in full.
+/// A call on a connection that failed is an error, counted as such; nothing reconnects.
+#[derive(Clone)]
+struct Connection(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for Connection {
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = hyper::Error;
+    type Future = std::pin::Pin<
+        Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        Box::pin(self.0.send_request(request))
+    }
+}
+
+/// A client of `target` (`host:port`, or an `http://` URI) over a connection of its own.
+async fn connection(target: &str) -> anyhow::Result<RateLimitServiceClient<Connection>> {
+    let uri = if target.contains("://") {
+        target.to_owned()
+    } else {
+        format!("http://{target}")
+    };
+    let origin: http::Uri = uri
+        .parse()
+        .with_context(|| format!("invalid target {target}"))?;
+    anyhow::ensure!(
+        origin.scheme_str() == Some("http") && origin.port().is_some(),
+        "target {target}: expected host:port or http://host:port"
+    );
+    let address = origin
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .unwrap_or_default();
+    let connect = async {
+        let tcp = tokio::net::TcpStream::connect(&address).await?;
+        tcp.set_nodelay(true)?;
+        let (send, driver) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .map_err(std::io::Error::other)?;
+        tokio::spawn(driver);
+        std::io::Result::Ok(send)
+    };
+    let send = tokio::time::timeout(Duration::from_secs(5), connect)
+        .await
+        .map_err(|_| anyhow::anyhow!("connecting to {uri} timed out"))?
+        .with_context(|| format!("cannot connect to {uri}"))?;
+    Ok(RateLimitServiceClient::with_origin(
+        Connection(send),
+        origin,
+    ))
+}
+
+async fn connect(
+    targets: &[String],
+    per_target: usize,
+) -> anyhow::Result<Vec<RateLimitServiceClient<Connection>>> {
+    let mut clients = Vec::with_capacity(targets.len() * per_target);
     for _ in 0..per_target {
         for target in targets {
-            channels.push(channel(target).await?);
+            clients.push(connection(target).await?);
         }
     }
-    Ok(channels)
+    Ok(clients)
 }
 
 fn quantile_ms(histogram: &Histogram<u64>, q: f64) -> f64 {
@@ -720,11 +798,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
 /// Run the load described by `args` and report what was measured.
 pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     validate(&args)?;
-    let channels = connect(&args.targets, args.connections).await?;
-    let clients: Vec<RateLimitServiceClient<Channel>> = channels
-        .into_iter()
-        .map(RateLimitServiceClient::new)
-        .collect();
+    let clients = connect(&args.targets, args.connections).await?;
 
     let start = Instant::now();
     let measure_from = start + args.warmup;
