@@ -508,13 +508,18 @@ impl Calls for Generated {
     }
 }
 
-/// One HTTP/2 channel to `target` (`host:port`, or a URI).
-pub async fn channel(target: &str) -> anyhow::Result<Channel> {
-    let uri = if target.contains("://") {
+/// The URI of `target`: itself, or `http://` and it when it is a bare `host:port`.
+fn target_uri(target: &str) -> String {
+    if target.contains("://") {
         target.to_owned()
     } else {
         format!("http://{target}")
-    };
+    }
+}
+
+/// One HTTP/2 channel to `target` (`host:port`, or a URI).
+pub async fn channel(target: &str) -> anyhow::Result<Channel> {
+    let uri = target_uri(target);
     Endpoint::from_shared(uri.clone())
         .with_context(|| format!("invalid target {target}"))?
         .tcp_nodelay(true)
@@ -527,8 +532,8 @@ pub async fn channel(target: &str) -> anyhow::Result<Channel> {
 /// One HTTP/2 connection as the generated client's transport. The generator does not use
 /// tonic's `Channel`: a `Channel` hands each call to a buffer task of its own before the
 /// connection's task sees it, a hop (and often a wake-up) per call that an open loop's
-/// spaced-out calls pay in full.
-/// A call on a connection that failed is an error, counted as such; nothing reconnects.
+/// spaced-out calls pay in full. A call on a connection that failed is an error, counted as
+/// such; nothing reconnects.
 #[derive(Clone)]
 struct Connection(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
 
@@ -553,11 +558,7 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Connection {
 
 /// A client of `target` (`host:port`, or an `http://` URI) over a connection of its own.
 async fn connection(target: &str) -> anyhow::Result<RateLimitServiceClient<Connection>> {
-    let uri = if target.contains("://") {
-        target.to_owned()
-    } else {
-        format!("http://{target}")
-    };
+    let uri = target_uri(target);
     let origin: http::Uri = uri
         .parse()
         .with_context(|| format!("invalid target {target}"))?;
