@@ -2047,17 +2047,12 @@ async fn environment_probe() {
 #[tokio::test]
 async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_answers() {
     use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: turnstile_bench::BenchArgs,
-    }
     let rules = Rules::new(
         "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 400}\n",
     );
     let t = Turnstile::start(rules.path(), &[]).await;
     let target = t.grpc.to_string();
-    let args = Cli::parse_from([
+    let args = turnstile_bench::Cli::parse_from([
         "turnstile-bench",
         "--target",
         &target,

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -47,6 +47,14 @@ pub enum KeyOrder {
     Uniform,
     /// Values in turn (0, 1, 2, … modulo `--keys`): touches every key in `--keys` calls.
     Sequential,
+}
+
+/// Load a RateLimitService over gRPC and report throughput and latency.
+#[derive(Parser)]
+#[command(name = "turnstile-bench", version)]
+pub struct Cli {
+    #[command(flatten)]
+    pub args: BenchArgs,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -1,14 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-
-/// Load a RateLimitService over gRPC and report throughput and latency.
-#[derive(Parser)]
-#[command(name = "turnstile-bench", version)]
-struct Cli {
-    #[command(flatten)]
-    args: turnstile_bench::BenchArgs,
-}
+use turnstile_bench::Cli;
 
 fn main() -> ExitCode {
     match turnstile_bench::main(Cli::parse().args) {
