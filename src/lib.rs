@@ -15,6 +15,7 @@ pub mod deadline;
 pub mod decision;
 pub mod explain;
 pub mod fallback;
+pub mod grpc;
 pub mod health;
 pub mod json;
 pub mod key;

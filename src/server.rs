@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
@@ -33,6 +32,7 @@ use crate::cli::{
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
 use crate::fallback::Fallback;
+use crate::grpc::ShouldRateLimitLayer;
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
 use crate::listener::{self, Handshake, Port};
@@ -425,20 +425,19 @@ async fn run<B: Backend>(
     let mut servers = Vec::with_capacity(threads);
     for (n, handoff) in handoffs.into_iter().enumerate() {
         let router = tonic::transport::Server::builder()
-            .timeout(args.request_timeout)
             .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
             .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
             .layer(
                 tower::ServiceBuilder::new()
                     .layer(GrpcMetricsLayer::new(metrics.clone()))
                     .load_shed()
-                    .layer(in_flight.clone()),
+                    .layer(in_flight.clone())
+                    .layer(ShouldRateLimitLayer::new(
+                        limiter.clone(),
+                        args.max_message_bytes,
+                    )),
             )
             .add_service(health_service.clone())
-            .add_service(
-                RateLimitServiceServer::from_arc(limiter.clone())
-                    .max_decoding_message_size(args.max_message_bytes),
-            )
             .add_service(
                 RateLimitQuotaServiceServer::from_arc(quota.clone())
                     .max_decoding_message_size(args.max_message_bytes),

@@ -1,20 +1,19 @@
 //! The rate-limit service, top to bottom: validate the request, match its descriptors
 //! against the active rules, evaluate the hits atomically in the backend, answer.
 //!
-//! The gRPC method and the HTTP `/json` endpoint both call `RateLimiter::check`, so they
+//! The gRPC method (`grpc`) and the HTTP `/json` endpoint both call `RateLimiter::check`, so they
 //! can never disagree.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use tonic::{Request, Response, Status};
+use tonic::Status;
 use tracing::Instrument;
 
 use crate::active::ActiveRules;
 use crate::backend::Backend;
-use crate::deadline::{Deadline, grpc_timeout};
+use crate::deadline::Deadline;
 use crate::decision::FailurePolicy;
 use crate::decision::{BackendError, Charging, Outcome, Role};
 use crate::fallback::Fallback;
@@ -78,6 +77,11 @@ impl<B: Backend> RateLimiter<B> {
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// How long a caller without a deadline of its own is taken to wait.
+    pub fn request_timeout(&self) -> Duration {
+        self.settings.request_timeout
     }
 
     /// Decide one request. `deadline` (the caller's; without one, the request timeout's)
@@ -174,24 +178,6 @@ impl<B: Backend> RateLimiter<B> {
                 );
             }
         }
-    }
-}
-
-#[tonic::async_trait]
-impl<B: Backend> RateLimitService for RateLimiter<B> {
-    async fn should_rate_limit(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        let deadline = request
-            .metadata()
-            .get("grpc-timeout")
-            .and_then(|value| value.to_str().ok())
-            .and_then(grpc_timeout)
-            .map(Deadline::for_call);
-        self.check(request.get_ref(), deadline)
-            .await
-            .map(Response::new)
     }
 }
 

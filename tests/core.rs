@@ -2087,3 +2087,177 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
     );
     assert!(report.latency_ms(0.5) > 0.0, "{}", report.text());
 }
+
+/// A request body as bytes on the wire: `data`, then the end of the stream, or (`stall`)
+/// nothing more, ever.
+struct RawBody {
+    data: Option<bytes::Bytes>,
+    stall: bool,
+}
+
+impl http_body::Body for RawBody {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        match self.data.take() {
+            Some(data) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
+            None if self.stall => std::task::Poll::Pending,
+            None => std::task::Poll::Ready(None),
+        }
+    }
+}
+
+/// Call ShouldRateLimit with `body` as it is, `grpc-timeout: 300m`; its gRPC status and
+/// message, from the headers (trailers-only) or the trailers.
+async fn raw_should_rate_limit(t: &Turnstile, body: RawBody) -> (String, String) {
+    use http_body::Body as _;
+    let tcp = tokio::net::TcpStream::connect(t.grpc).await.unwrap();
+    let (mut send, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let driver = tokio::spawn(connection);
+    let request = http::Request::post(format!(
+        "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        t.grpc
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .header("grpc-timeout", "300m")
+    .body(body)
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        let response = send.send_request(request).await.unwrap();
+        let (parts, mut body) = response.into_parts();
+        let mut found = parts.headers;
+        while let Some(frame) =
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+        {
+            if let Ok(trailers) = frame.unwrap().into_trailers() {
+                found.extend(trailers);
+            }
+        }
+        let text = |name: &str| {
+            found
+                .get(name)
+                .map(|v| percent_decoded(v.to_str().unwrap()))
+                .unwrap_or_default()
+        };
+        (text("grpc-status"), text("grpc-message"))
+    })
+    .await
+    .expect("an answer within 5 s");
+    driver.abort();
+    answer
+}
+
+fn percent_decoded(text: &str) -> String {
+    let mut out = Vec::new();
+    let mut bytes = text.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex: String = bytes.by_ref().take(2).map(char::from).collect();
+            out.push(u8::from_str_radix(&hex, 16).unwrap());
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+/// The gRPC edge reads ShouldRateLimit's framing itself: each way a body can be wrong gets
+/// its own clear status, none counts anything, and a well-framed call still decides.
+#[tokio::test]
+async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
+    use prost::Message;
+    let (_rules, t) = start(&["--max-message-bytes", "4096"]).await;
+    let message = request("test", vec![descriptor(&[("minute", "framing")])]).encode_to_vec();
+    let framed = |flag: u8, length: usize, body: &[u8]| {
+        let mut data = vec![flag];
+        data.extend_from_slice(&(length as u32).to_be_bytes());
+        data.extend_from_slice(body);
+        bytes::Bytes::from(data)
+    };
+    let whole = |data| RawBody {
+        data: Some(data),
+        stall: false,
+    };
+    let rows: Vec<(&str, RawBody, &str, &str)> = vec![
+        (
+            "no body",
+            RawBody {
+                data: None,
+                stall: false,
+            },
+            "3",
+            "ended after 0 bytes",
+        ),
+        (
+            "half a prefix",
+            whole(framed(0, 9, b"")[..3].to_vec().into()),
+            "3",
+            "ended after 3 bytes",
+        ),
+        (
+            "half a message",
+            whole(framed(0, message.len(), &message[..4])),
+            "3",
+            "before its message",
+        ),
+        (
+            "compressed",
+            whole(framed(1, message.len(), &message)),
+            "12",
+            "compressed requests",
+        ),
+        (
+            "an unknown flag",
+            whole(framed(9, message.len(), &message)),
+            "3",
+            "not 9",
+        ),
+        (
+            "too long",
+            whole(framed(0, 5000, b"")),
+            "11",
+            "5000 bytes, over the limit of 4096",
+        ),
+        (
+            "not protobuf",
+            whole(framed(0, 3, b"\xff\xff\xff")),
+            "3",
+            "not a RateLimitRequest",
+        ),
+        (
+            "a stalled body",
+            RawBody {
+                data: Some(framed(0, message.len(), b"")),
+                stall: true,
+            },
+            "4",
+            "did not arrive in time",
+        ),
+    ];
+    for (name, body, status, message) in rows {
+        let (got, text) = raw_should_rate_limit(&t, body).await;
+        assert_eq!(got, status, "{name}: {text}");
+        assert!(text.contains(message), "{name}: {text:?} lacks {message:?}");
+    }
+    let (status, _) = raw_should_rate_limit(&t, whole(framed(0, message.len(), &message))).await;
+    assert_eq!(status, "0", "a well-framed call decides");
+    let after = t
+        .call(request("test", vec![descriptor(&[("minute", "framing")])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        remaining(&after),
+        [1],
+        "only the well-framed call was counted"
+    );
+}

@@ -1,0 +1,366 @@
+//! `ShouldRateLimit` at the gRPC edge: the request's one message read from its HTTP/2 body,
+//! decided by [`RateLimiter::check`], and the answer framed, by a tower layer in front of
+//! tonic's router.
+//!
+//! Why not tonic's generated service: every call is one small unary message, and on the
+//! memory backend the decision costs a fraction of what tonic's general path around it does
+//! (a router lookup, a streaming decoder, an encoder body with its trailers built from a
+//! `Status`, a timer per call). Here a call reads one frame, decodes it, and answers with a
+//! body that is the message and then `grpc-status: 0`. Every other method (health, RLQS)
+//! still goes to tonic.
+//!
+//! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout`, else the
+//! request timeout, taken when the call arrives. A body that has not arrived by then is
+//! answered DEADLINE_EXCEEDED; a body already here needs no timer.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use http::{HeaderMap, HeaderValue, header};
+use http_body::{Body as _, Frame};
+use prost::Message;
+use tonic::Status;
+use tonic::body::Body;
+use tower::{Layer, Service};
+
+use crate::backend::Backend;
+use crate::deadline::{Deadline, grpc_timeout};
+use crate::service::RateLimiter;
+
+/// The method this edge answers; the rest go to the inner service.
+pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
+const PREFIX: usize = 5;
+
+/// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`.
+pub struct ShouldRateLimitLayer<B> {
+    limiter: Arc<RateLimiter<B>>,
+    max_message_bytes: usize,
+}
+
+impl<B> ShouldRateLimitLayer<B> {
+    pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize) -> Self {
+        ShouldRateLimitLayer {
+            limiter,
+            max_message_bytes,
+        }
+    }
+}
+
+impl<B> Clone for ShouldRateLimitLayer<B> {
+    fn clone(&self) -> Self {
+        ShouldRateLimitLayer {
+            limiter: Arc::clone(&self.limiter),
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+}
+
+impl<S, B> Layer<S> for ShouldRateLimitLayer<B> {
+    type Service = ShouldRateLimit<S, B>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ShouldRateLimit {
+            inner,
+            edge: self.clone(),
+        }
+    }
+}
+
+pub struct ShouldRateLimit<S, B> {
+    inner: S,
+    edge: ShouldRateLimitLayer<B>,
+}
+
+impl<S: Clone, B> Clone for ShouldRateLimit<S, B> {
+    fn clone(&self) -> Self {
+        ShouldRateLimit {
+            inner: self.inner.clone(),
+            edge: self.edge.clone(),
+        }
+    }
+}
+
+type Answered = Pin<Box<dyn Future<Output = http::Response<Body>> + Send>>;
+
+impl<S, B> Service<http::Request<Body>> for ShouldRateLimit<S, B>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>>,
+    B: Backend,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = Routed<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        if request.uri().path() != SHOULD_RATE_LIMIT {
+            return Routed::Inner(Box::pin(self.inner.call(request)));
+        }
+        let edge = self.edge.clone();
+        Routed::Here(Box::pin(async move { edge.answer(request).await }))
+    }
+}
+
+/// A call's answer: from the inner service, or from this edge (which never fails: an error
+/// is a gRPC status in the answer).
+/// (The inner service's calls, health and RLQS streams, are boxed: they are rare.)
+pub enum Routed<F> {
+    Inner(Pin<Box<F>>),
+    Here(Answered),
+}
+
+impl<F, E> Future for Routed<F>
+where
+    F: Future<Output = Result<http::Response<Body>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.get_mut() {
+            Routed::Inner(inner) => inner.as_mut().poll(cx),
+            Routed::Here(answer) => answer.as_mut().poll(cx).map(Ok),
+        }
+    }
+}
+
+impl<B: Backend> ShouldRateLimitLayer<B> {
+    async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
+        let (parts, body) = request.into_parts();
+        let deadline = parts
+            .headers
+            .get("grpc-timeout")
+            .and_then(|value| value.to_str().ok())
+            .and_then(grpc_timeout)
+            .map_or_else(
+                || Deadline::for_call(self.limiter.request_timeout()),
+                Deadline::for_call,
+            );
+        let message = match deadline
+            .bound(read_message(body, self.max_message_bytes))
+            .await
+        {
+            Some(Ok(message)) => message,
+            Some(Err(status)) => return status.into_http(),
+            None => {
+                return Status::deadline_exceeded("the request's message did not arrive in time")
+                    .into_http();
+            }
+        };
+        let request = match RateLimitRequest::decode(message) {
+            Ok(request) => request,
+            Err(err) => {
+                return Status::invalid_argument(format!("not a RateLimitRequest: {err}"))
+                    .into_http();
+            }
+        };
+        match self.limiter.check(&request, Some(deadline)).await {
+            Ok(response) => ok(frame(&response)),
+            Err(status) => status.into_http(),
+        }
+    }
+}
+
+/// The body's one gRPC message (without its prefix), or the status to answer with.
+async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
+    let mut buffered = BytesMut::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        let data = match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                // Request trailers carry nothing a decision reads.
+                Err(_) => continue,
+            },
+            Some(Err(status)) => return Err(status),
+            None => {
+                return Err(Status::invalid_argument(format!(
+                    "the request's body ended after {} bytes, before its message",
+                    buffered.len()
+                )));
+            }
+        };
+        // Most messages arrive whole in one frame: no copy then.
+        if buffered.is_empty()
+            && let Some(message) = message(&data, max)?
+        {
+            return Ok(data.slice(PREFIX..PREFIX + message));
+        }
+        buffered.extend_from_slice(&data);
+        if let Some(message) = message(&buffered, max)? {
+            buffered.advance(PREFIX);
+            return Ok(buffered.split_to(message).freeze());
+        }
+    }
+}
+
+/// The length of the message `data` starts with, once all of it is there.
+fn message(data: &[u8], max: usize) -> Result<Option<usize>, Status> {
+    let Some(prefix) = data.get(..PREFIX) else {
+        return Ok(None);
+    };
+    match prefix[0] {
+        0 => {}
+        1 => {
+            return Err(Status::unimplemented(
+                "compressed requests are not accepted (send them with grpc-encoding identity)",
+            ));
+        }
+        flag => {
+            return Err(Status::invalid_argument(format!(
+                "a gRPC message's compressed flag is 0 or 1, not {flag}"
+            )));
+        }
+    }
+    let length = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+    if length > max {
+        return Err(Status::out_of_range(format!(
+            "the request's message is {length} bytes, over the limit of {max} \
+             (--max-message-bytes)"
+        )));
+    }
+    Ok((data.len() - PREFIX >= length).then_some(length))
+}
+
+/// `message` as one gRPC message: its prefix, then its bytes.
+fn frame(message: &impl Message) -> Bytes {
+    let length = message.encoded_len();
+    let mut framed = BytesMut::with_capacity(PREFIX + length);
+    framed.put_u8(0);
+    // An answer is far below 4 GiB: a few statuses and headers per descriptor.
+    framed.put_u32(u32::try_from(length).unwrap_or(u32::MAX));
+    message
+        .encode(&mut framed)
+        .expect("the buffer was sized to the message");
+    framed.freeze()
+}
+
+/// An OK answer carrying `framed`.
+fn ok(framed: Bytes) -> http::Response<Body> {
+    let mut response = http::Response::new(Body::new(Answer::Message(framed)));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    response
+}
+
+/// An OK answer's body: its message, then the trailers saying OK.
+enum Answer {
+    Message(Bytes),
+    Trailers,
+    Done,
+}
+
+impl http_body::Body for Answer {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        let frame = match std::mem::replace(this, Answer::Done) {
+            Answer::Message(message) => {
+                *this = Answer::Trailers;
+                Frame::data(message)
+            }
+            Answer::Trailers => {
+                let mut trailers = HeaderMap::with_capacity(1);
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                Frame::trailers(trailers)
+            }
+            Answer::Done => return Poll::Ready(None),
+        };
+        Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, Answer::Done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_is_read_once_whole_and_refused_when_it_cannot_be() {
+        let framed = |flag: u8, length: u32, body: &[u8]| {
+            let mut data = vec![flag];
+            data.extend_from_slice(&length.to_be_bytes());
+            data.extend_from_slice(body);
+            data
+        };
+        // Each row: what the body holds so far, and what reading it gives (a length once the
+        // message is whole, or the status's code).
+        type Row = (&'static str, Vec<u8>, Result<Option<usize>, tonic::Code>);
+        let rows: [Row; 8] = [
+            ("nothing yet", vec![], Ok(None)),
+            ("part of the prefix", vec![0, 0, 0], Ok(None)),
+            ("the prefix alone", framed(0, 3, b""), Ok(None)),
+            ("part of the message", framed(0, 3, b"ab"), Ok(None)),
+            ("the whole message", framed(0, 3, b"abc"), Ok(Some(3))),
+            ("an empty message", framed(0, 0, b""), Ok(Some(0))),
+            (
+                "compressed",
+                framed(1, 3, b"abc"),
+                Err(tonic::Code::Unimplemented),
+            ),
+            (
+                "an unknown flag",
+                framed(7, 3, b"abc"),
+                Err(tonic::Code::InvalidArgument),
+            ),
+        ];
+        for (name, data, expected) in rows {
+            let got = message(&data, 16).map_err(|status| status.code());
+            assert_eq!(got, expected, "{name}");
+        }
+        let status = message(&framed(0, 17, b""), 16).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::OutOfRange);
+        assert!(status.message().contains("17 bytes"), "{status:?}");
+    }
+
+    #[test]
+    fn an_answer_is_its_framed_message_then_ok_trailers_then_nothing() {
+        let response = envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+            overall_code: 1,
+            ..Default::default()
+        };
+        let framed = frame(&response);
+        assert_eq!(framed[0], 0);
+        let length = u32::from_be_bytes([framed[1], framed[2], framed[3], framed[4]]) as usize;
+        assert_eq!(length, framed.len() - PREFIX);
+        assert_eq!(
+            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse::decode(
+                &framed[PREFIX..]
+            )
+            .unwrap(),
+            response
+        );
+
+        let mut answer = Answer::Message(framed.clone());
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut next = || match Pin::new(&mut answer).poll_frame(&mut cx) {
+            Poll::Ready(frame) => frame.map(Result::unwrap),
+            Poll::Pending => panic!("an answer is never pending"),
+        };
+        assert_eq!(next().unwrap().into_data().unwrap(), framed);
+        let trailers = next().unwrap().into_trailers().unwrap();
+        assert_eq!(trailers.len(), 1);
+        assert_eq!(trailers["grpc-status"], "0");
+        assert!(next().is_none());
+        assert!(answer.is_end_stream());
+    }
+}
