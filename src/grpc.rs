@@ -29,6 +29,7 @@ use tower::{Layer, Service};
 
 use crate::backend::Backend;
 use crate::deadline::{Deadline, grpc_timeout};
+use crate::pacemaker;
 use crate::service::RateLimiter;
 
 /// The method this edge answers; the rest go to the inner service.
@@ -134,6 +135,7 @@ where
 
 impl<B: Backend> ShouldRateLimitLayer<B> {
     async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
+        pacemaker::call_begins();
         let (parts, body) = request.into_parts();
         let deadline = parts
             .headers

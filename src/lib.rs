@@ -23,6 +23,7 @@ pub mod layers;
 pub mod limit;
 pub mod listener;
 pub mod metrics;
+pub mod pacemaker;
 pub mod plan;
 pub mod reload;
 pub mod request;
