@@ -33,7 +33,7 @@ use crate::pacemaker;
 use crate::service::RateLimiter;
 
 /// The method this edge answers; the rest go to the inner service.
-pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
 const PREFIX: usize = 5;
@@ -106,14 +106,12 @@ where
         if request.uri().path() != SHOULD_RATE_LIMIT {
             return Routed::Inner(Box::pin(self.inner.call(request)));
         }
-        let edge = self.edge.clone();
-        Routed::Here(Box::pin(async move { edge.answer(request).await }))
+        Routed::Here(Box::pin(self.edge.clone().answer(request)))
     }
 }
 
-/// A call's answer: from the inner service, or from this edge (which never fails: an error
-/// is a gRPC status in the answer).
-/// (The inner service's calls, health and RLQS streams, are boxed: they are rare.)
+/// A call's answer: from the inner service (health and RLQS, rare enough to box), or from
+/// this edge, which never fails: an error is a gRPC status in the answer.
 pub enum Routed<F> {
     Inner(Pin<Box<F>>),
     Here(Answered),
