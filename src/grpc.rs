@@ -135,15 +135,13 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
     async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
         pacemaker::call_begins();
         let (parts, body) = request.into_parts();
-        let deadline = parts
+        let timeout = parts
             .headers
             .get("grpc-timeout")
             .and_then(|value| value.to_str().ok())
             .and_then(grpc_timeout)
-            .map_or_else(
-                || Deadline::for_call(self.limiter.request_timeout()),
-                Deadline::for_call,
-            );
+            .unwrap_or_else(|| self.limiter.request_timeout());
+        let deadline = Deadline::for_call(timeout);
         let message = match deadline
             .bound(read_message(body, self.max_message_bytes))
             .await
@@ -190,12 +188,12 @@ async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
         };
         // Most messages arrive whole in one frame: no copy then.
         if buffered.is_empty()
-            && let Some(message) = message(&data, max)?
+            && let Some(message) = message_length(&data, max)?
         {
             return Ok(data.slice(PREFIX..PREFIX + message));
         }
         buffered.extend_from_slice(&data);
-        if let Some(message) = message(&buffered, max)? {
+        if let Some(message) = message_length(&buffered, max)? {
             buffered.advance(PREFIX);
             return Ok(buffered.split_to(message).freeze());
         }
@@ -203,7 +201,7 @@ async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
 }
 
 /// The length of the message `data` starts with, once all of it is there.
-fn message(data: &[u8], max: usize) -> Result<Option<usize>, Status> {
+fn message_length(data: &[u8], max: usize) -> Result<Option<usize>, Status> {
     let Some(prefix) = data.get(..PREFIX) else {
         return Ok(None);
     };
@@ -323,10 +321,10 @@ mod tests {
             ),
         ];
         for (name, data, expected) in rows {
-            let got = message(&data, 16).map_err(|status| status.code());
+            let got = message_length(&data, 16).map_err(|status| status.code());
             assert_eq!(got, expected, "{name}");
         }
-        let status = message(&framed(0, 17, b""), 16).unwrap_err();
+        let status = message_length(&framed(0, 17, b""), 16).unwrap_err();
         assert_eq!(status.code(), tonic::Code::OutOfRange);
         assert!(status.message().contains("17 bytes"), "{status:?}");
     }
