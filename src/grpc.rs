@@ -9,8 +9,8 @@
 //! body that is the message and then `grpc-status: 0`. Every other method (health, RLQS)
 //! still goes to tonic.
 //!
-//! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout`, else the
-//! request timeout, taken when the call arrives. A body that has not arrived by then is
+//! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout` or the
+//! request timeout, whichever is shorter, taken when the call arrives. A body that has not arrived by then is
 //! answered DEADLINE_EXCEEDED; a body already here needs no timer.
 
 use std::future::Future;
@@ -140,7 +140,10 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
             .get("grpc-timeout")
             .and_then(|value| value.to_str().ok())
             .and_then(grpc_timeout)
-            .unwrap_or_else(|| self.limiter.request_timeout());
+            // The request timeout bounds every call, whatever its caller would wait.
+            .map_or(self.limiter.request_timeout(), |caller| {
+                caller.min(self.limiter.request_timeout())
+            });
         let deadline = Deadline::for_call(timeout);
         let message = match deadline
             .bound(read_message(body, self.max_message_bytes))

@@ -2111,9 +2111,13 @@ impl http_body::Body for RawBody {
     }
 }
 
-/// Call ShouldRateLimit with `body` as it is, `grpc-timeout: 300m`; its gRPC status and
-/// message, from the headers (trailers-only) or the trailers.
-async fn raw_should_rate_limit(t: &Turnstile, body: RawBody) -> (String, String) {
+/// Call ShouldRateLimit with `body` as it is and the caller's `grpc_timeout`; its gRPC
+/// status and message, from the headers (trailers-only) or the trailers.
+async fn raw_should_rate_limit(
+    t: &Turnstile,
+    grpc_timeout: &str,
+    body: RawBody,
+) -> (String, String) {
     use http_body::Body as _;
     let tcp = tokio::net::TcpStream::connect(t.grpc).await.unwrap();
     let (mut send, connection) = hyper::client::conn::http2::handshake(
@@ -2129,7 +2133,7 @@ async fn raw_should_rate_limit(t: &Turnstile, body: RawBody) -> (String, String)
     ))
     .header("content-type", "application/grpc")
     .header("te", "trailers")
-    .header("grpc-timeout", "300m")
+    .header("grpc-timeout", grpc_timeout)
     .body(body)
     .unwrap();
     let answer = tokio::time::timeout(Duration::from_secs(5), async {
@@ -2176,7 +2180,7 @@ fn percent_decoded(text: &str) -> String {
 #[tokio::test]
 async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
     use prost::Message;
-    let (_rules, t) = start(&["--max-message-bytes", "4096"]).await;
+    let (_rules, t) = start(&["--max-message-bytes", "4096", "--request-timeout", "500ms"]).await;
     let message = request("test", vec![descriptor(&[("minute", "framing")])]).encode_to_vec();
     let framed = |flag: u8, length: usize, body: &[u8]| {
         let mut data = vec![flag];
@@ -2245,11 +2249,26 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
         ),
     ];
     for (name, body, status, message) in rows {
-        let (got, text) = raw_should_rate_limit(&t, body).await;
+        let (got, text) = raw_should_rate_limit(&t, "300m", body).await;
         assert_eq!(got, status, "{name}: {text}");
         assert!(text.contains(message), "{name}: {text:?} lacks {message:?}");
     }
-    let (status, _) = raw_should_rate_limit(&t, whole(framed(0, message.len(), &message))).await;
+    // A caller that says it waits an hour does not hold a stalled call open that long: the
+    // request timeout bounds every call.
+    let stalled = RawBody {
+        data: Some(framed(0, message.len(), b"")),
+        stall: true,
+    };
+    let started = std::time::Instant::now();
+    let (status, _) = raw_should_rate_limit(&t, "1H", stalled).await;
+    assert_eq!(status, "4");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let (status, _) =
+        raw_should_rate_limit(&t, "300m", whole(framed(0, message.len(), &message))).await;
     assert_eq!(status, "0", "a well-framed call decides");
     let after = t
         .call(request("test", vec![descriptor(&[("minute", "framing")])]))
