@@ -39,14 +39,25 @@ pub fn call_begins() {
     }
 }
 
-async fn keep_due() {
-    loop {
-        tokio::time::sleep(PERIOD).await;
-        let keeper = KEEPER.get();
-        let running = keeper.begun > 0;
-        KEEPER.set(Keeper { begun: 0, running });
-        if !running {
-            return;
+/// The timer's task. However it ends (it lapses, or its runtime is dropped with it, polled
+/// or not), the next call on this thread starts another.
+fn keep_due() -> impl std::future::Future<Output = ()> {
+    struct Stopped;
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            // A runtime dropped as its thread exits may find the state gone already.
+            let _ = KEEPER.try_with(|keeper| keeper.set(Keeper::default()));
+        }
+    }
+    let stopped = Stopped;
+    async move {
+        let _stopped = stopped;
+        while KEEPER.get().begun > 0 {
+            KEEPER.set(Keeper {
+                begun: 0,
+                running: true,
+            });
+            tokio::time::sleep(PERIOD).await;
         }
     }
 }
@@ -75,5 +86,21 @@ mod tests {
         );
         call_begins();
         assert!(KEEPER.get().running, "a later call starts it again");
+    }
+
+    #[test]
+    fn a_runtime_dropped_with_its_timer_leaves_the_next_call_to_start_one() {
+        std::thread::spawn(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            runtime.block_on(async { call_begins() });
+            assert!(KEEPER.get().running);
+            drop(runtime);
+            assert!(!KEEPER.get().running, "the timer went with its runtime");
+        })
+        .join()
+        .unwrap();
     }
 }
