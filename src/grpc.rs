@@ -135,15 +135,14 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
     async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
         pacemaker::call_begins();
         let (parts, body) = request.into_parts();
+        // The request timeout bounds every call, whatever its caller would wait.
+        let longest = self.limiter.request_timeout();
         let timeout = parts
             .headers
             .get("grpc-timeout")
             .and_then(|value| value.to_str().ok())
             .and_then(grpc_timeout)
-            // The request timeout bounds every call, whatever its caller would wait.
-            .map_or(self.limiter.request_timeout(), |caller| {
-                caller.min(self.limiter.request_timeout())
-            });
+            .map_or(longest, |caller| caller.min(longest));
         let deadline = Deadline::for_call(timeout);
         let message = match deadline
             .bound(read_message(body, self.max_message_bytes))

@@ -1,8 +1,8 @@
 //! The rate-limit service, top to bottom: validate the request, match its descriptors
 //! against the active rules, evaluate the hits atomically in the backend, answer.
 //!
-//! The gRPC method (`grpc`) and the HTTP `/json` endpoint both call `RateLimiter::check`, so they
-//! can never disagree.
+//! The gRPC method (`grpc`) and the HTTP `/json` endpoint both call `RateLimiter::check`, so
+//! they can never disagree.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,7 +79,8 @@ impl<B: Backend> RateLimiter<B> {
         &self.backend
     }
 
-    /// How long a caller without a deadline of its own is taken to wait.
+    /// The longest a call may take: how long a caller without a deadline of its own is taken
+    /// to wait, and the most a caller's own deadline is given.
     pub fn request_timeout(&self) -> Duration {
         self.settings.request_timeout
     }

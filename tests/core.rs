@@ -2112,12 +2112,8 @@ impl http_body::Body for RawBody {
 }
 
 /// Call ShouldRateLimit with `body` as it is and the caller's `grpc_timeout`; its gRPC
-/// status and message, from the headers (trailers-only) or the trailers.
-async fn raw_should_rate_limit(
-    t: &Turnstile,
-    grpc_timeout: &str,
-    body: RawBody,
-) -> (String, String) {
+/// status, from the headers (trailers-only) or the trailers.
+async fn raw_should_rate_limit(t: &Turnstile, grpc_timeout: &str, body: RawBody) -> tonic::Status {
     use http_body::Body as _;
     let tcp = tokio::net::TcpStream::connect(t.grpc).await.unwrap();
     let (mut send, connection) = hyper::client::conn::http2::handshake(
@@ -2147,32 +2143,12 @@ async fn raw_should_rate_limit(
                 found.extend(trailers);
             }
         }
-        let text = |name: &str| {
-            found
-                .get(name)
-                .map(|v| percent_decoded(v.to_str().unwrap()))
-                .unwrap_or_default()
-        };
-        (text("grpc-status"), text("grpc-message"))
+        tonic::Status::from_header_map(&found).expect("a grpc-status")
     })
     .await
     .expect("an answer within 5 s");
     driver.abort();
     answer
-}
-
-fn percent_decoded(text: &str) -> String {
-    let mut out = Vec::new();
-    let mut bytes = text.bytes();
-    while let Some(b) = bytes.next() {
-        if b == b'%' {
-            let hex: String = bytes.by_ref().take(2).map(char::from).collect();
-            out.push(u8::from_str_radix(&hex, 16).unwrap());
-        } else {
-            out.push(b);
-        }
-    }
-    String::from_utf8(out).unwrap()
 }
 
 /// The gRPC edge reads ShouldRateLimit's framing itself: each way a body can be wrong gets
@@ -2192,50 +2168,50 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
         data: Some(data),
         stall: false,
     };
-    let rows: Vec<(&str, RawBody, &str, &str)> = vec![
+    let rows: Vec<(&str, RawBody, tonic::Code, &str)> = vec![
         (
             "no body",
             RawBody {
                 data: None,
                 stall: false,
             },
-            "3",
+            tonic::Code::InvalidArgument,
             "ended after 0 bytes",
         ),
         (
             "half a prefix",
             whole(framed(0, 9, b"")[..3].to_vec().into()),
-            "3",
+            tonic::Code::InvalidArgument,
             "ended after 3 bytes",
         ),
         (
             "half a message",
             whole(framed(0, message.len(), &message[..4])),
-            "3",
+            tonic::Code::InvalidArgument,
             "before its message",
         ),
         (
             "compressed",
             whole(framed(1, message.len(), &message)),
-            "12",
+            tonic::Code::Unimplemented,
             "compressed requests",
         ),
         (
             "an unknown flag",
             whole(framed(9, message.len(), &message)),
-            "3",
+            tonic::Code::InvalidArgument,
             "not 9",
         ),
         (
             "too long",
             whole(framed(0, 5000, b"")),
-            "11",
+            tonic::Code::OutOfRange,
             "5000 bytes, over the limit of 4096",
         ),
         (
             "not protobuf",
             whole(framed(0, 3, b"\xff\xff\xff")),
-            "3",
+            tonic::Code::InvalidArgument,
             "not a RateLimitRequest",
         ),
         (
@@ -2244,13 +2220,14 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
                 data: Some(framed(0, message.len(), b"")),
                 stall: true,
             },
-            "4",
+            tonic::Code::DeadlineExceeded,
             "did not arrive in time",
         ),
     ];
-    for (name, body, status, message) in rows {
-        let (got, text) = raw_should_rate_limit(&t, "300m", body).await;
-        assert_eq!(got, status, "{name}: {text}");
+    for (name, body, code, message) in rows {
+        let got = raw_should_rate_limit(&t, "300m", body).await;
+        assert_eq!(got.code(), code, "{name}: {got:?}");
+        let text = got.message();
         assert!(text.contains(message), "{name}: {text:?} lacks {message:?}");
     }
     // A caller that says it waits an hour does not hold a stalled call open that long: the
@@ -2260,16 +2237,15 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
         stall: true,
     };
     let started = std::time::Instant::now();
-    let (status, _) = raw_should_rate_limit(&t, "1H", stalled).await;
-    assert_eq!(status, "4");
+    let status = raw_should_rate_limit(&t, "1H", stalled).await;
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "{:?}",
         started.elapsed()
     );
-    let (status, _) =
-        raw_should_rate_limit(&t, "300m", whole(framed(0, message.len(), &message))).await;
-    assert_eq!(status, "0", "a well-framed call decides");
+    let status = raw_should_rate_limit(&t, "300m", whole(framed(0, message.len(), &message))).await;
+    assert_eq!(status.code(), tonic::Code::Ok, "a well-framed call decides");
     let after = t
         .call(request("test", vec![descriptor(&[("minute", "framing")])]))
         .await
