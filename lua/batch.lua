@@ -12,19 +12,21 @@
 --   3. the number of limit specs, then 5 values per spec: algorithm, limit, window seconds,
 --      burst, and the role ('e' enforce, 's' shadow, 'q' quota). A call sends each distinct
 --      spec once, however many of its hits use it;
---   then the number of requests, then per request:
+--   then the number of runs, a run being requests in a row alike in mode and hits (most of
+--   a call's requests make one run), then per run:
 --   - its shape: its mode's letter ('a' atomic, 'e' each, 'c' check, 'r' refund), then per
---     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease. Requests
---     alike in all of these (most of a call's) send the same text, read once per call;
---   - its ticket, '<nonce> <deadline>', read only where needed: the nonce names
---     sliding-window entries, the deadline matters to a call started late;
---   - then per hit, in order: its lease if it carries one ('+<id>' taken, '-<id>' given back:
---     concurrency limits only), and in a refund the stamp the charging call replied.
+--     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease, then
+--     '*<how many requests the run holds>'; read once per call however often it recurs;
+--   - then per request of the run, its ticket, '<nonce> <deadline>', read only where needed
+--     (the nonce names sliding-window entries and spreads expiries, the deadline matters to
+--     a call started late; one that reads as no deadline is none), then per hit, in order,
+--     its lease if it carries one ('+<id>' taken, '-<id>' given back: concurrency limits
+--     only), and in a refund the stamp the charging call replied.
 --   Every value a request sends beyond a key costs Redis about as much as a small decision's
---   Lua, so what requests share travels in text they share.
+--   Lua, so what requests share travels in text they share, once per run.
 -- A lease given back always applies: its request is over. A refund passes every hit of the
 -- charging call, in the same order (members are named after their index), with cost 0 for
--- the hits that were not charged. The call's shape is checked before anything is written.
+-- the hits that were not charged. The call's layout is checked before anything is written.
 --
 -- Modes. 'atomic': charge the admitted hits only if the request as a whole passes (no
 -- enforced hit refused, and not every quota hit refused). 'each': charge every admitted hit
@@ -42,11 +44,11 @@
 -- none). A decision that starts past it is taken for nobody: the request charges nothing (a
 -- refund has no deadline: it must always apply).
 --
--- Replies, per request: 1 then per hit its remaining when admitted or -1 - remaining when
--- refused, and the microseconds until reset (admitted) or retry (refused), plus, in 'each'
--- mode only, a stamp identifying where the charge went (what a refund needs); or 0 alone for
--- a request past its deadline; or 1 alone for a refund. Then, always last, the script's time
--- (microseconds), from which turnstile learns Redis' clock.
+-- Replies, per request: per hit its remaining when admitted or -1 - remaining when refused,
+-- and the microseconds until reset (admitted) or retry (refused), plus, in 'each' mode only,
+-- a stamp identifying where the charge went (what a refund needs); or false (nil to the
+-- caller) alone for a request past its deadline; nothing for a refund. Then, always last,
+-- the script's time (microseconds), from which turnstile learns Redis' clock.
 --
 -- All of this runs for every decision on Redis' one thread, so the work per hit is kept
 -- small: no table is made per hit or per verdict, and numbers go to Redis as the text they
@@ -98,30 +100,32 @@ for s = 1, spec_count do
   specs[s] = spec
 end
 
--- Every key must be some hit's, and every value some field's; each request's shape is read
--- here, the first time a call meets its text, into what its requests share, as one flat
--- table (a table per field, or a function to read it, would cost more): its mode's letter,
--- hit count and how many values follow the ticket, then per hit its spec, cost and cost's
--- text; and, only where some hit has one, where each hit's lease (`lease`) and stamp
--- (`stamp`) are among those values (nil: none). The commonest shape, one hit without a lease
--- outside a refund, is read by one match; where that hit costs something and its request
--- charges (atomic or each), the shape names the hit's spec as `quick`.
+-- Every key must be some hit's, and every value some field's; each run's shape is read here,
+-- the first time a call meets its text, into what its requests share, as one flat table (a
+-- table per field, or a function to read it, would cost more): its mode's letter, hit count,
+-- how many values follow each ticket and how many requests the run holds, then per hit its
+-- spec, cost and cost's text; and, only where some hit has one, where each hit's lease
+-- (`lease`) and stamp (`stamp`) are among those values (nil: none). The commonest shape, one
+-- hit without a lease outside a refund, is read by one match; where that hit costs something
+-- and its requests charge (atomic or each), the shape names the hit's spec as `quick`.
 local shapes = {}
 local a = 3 + 5 * spec_count + 1
-local requests, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
-for _ = 1, requests do
-  local text, ticket = ARGV[a + 1], ARGV[a + 2]
+local runs, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
+for _ = 1, runs do
+  local text = ARGV[a + 1]
   local sh = shapes[text]
   if not sh then
-    local letter, index, cost = match(text, '^([aec]) (%d+):(%d+)$')
+    local letter, index, cost, size = match(text, '^([aec]) (%d+):(%d+)%*(%d+)$')
     if letter then
       local spec = specs[numbers[index] or number(index)]
       sh = { letter, 1, 0, spec, numbers[cost] or number(cost), cost }
+      sh.size = numbers[size] or number(size)
       if spec and sh[5] > 0 and letter ~= 'c' then
         sh.quick = spec
       end
     else
       letter = match(text, '^[aecr]')
+      size = match(text, '%*(%d+)$')
       sh = { letter, 0, 0 }
       local leases, stamps, count, extras, length = {}, {}, 0, 0, 1
       for hit, index, cost, leased in gmatch(text, '( (%d+):(%d+)(L?))') do
@@ -137,25 +141,23 @@ for _ = 1, requests do
           stamps[count], sh.stamp = extras, stamps
         end
       end
-      if not letter or length ~= #text then
-        error('a request is shaped ' .. text)
+      if not (letter and size) or length + 1 + #size ~= #text then
+        error('a run is shaped ' .. text)
       end
-      sh[2], sh[3] = count, extras
+      sh[2], sh[3], sh.size = count, extras, numbers[size] or number(size)
     end
     for i = 1, sh[2] do
       if not sh[3 * i + 1] then
-        error('a request is shaped ' .. text .. ': it names a spec the call has not')
+        error('a run is shaped ' .. text .. ': it names a spec the call has not')
       end
+    end
+    if sh.size < 1 then
+      error('a run is shaped ' .. text .. ': it holds no request')
     end
     shapes[text] = sh
   end
-  -- Its deadline is read as a number only in a call that starts late (turnstile writes it):
-  -- matching a pattern here would cost Redis as much per request as the rest of its values.
-  if not (ticket and find(ticket, ' ', 1, true)) then
-    error('a request has the ticket ' .. tostring(ticket))
-  end
-  k = k + sh[2]
-  a = a + 2 + sh[3]
+  k = k + sh.size * sh[2]
+  a = a + 1 + sh.size * (1 + sh[3])
 end
 if k ~= #KEYS or a ~= #ARGV then
   error('the call names ' .. k .. ' hits for ' .. #KEYS .. ' keys, and ' .. a .. ' of '
@@ -182,7 +184,8 @@ local function load(sh, i, at, key, ticket)
     sh[j + 3], i
   h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
   if h.spec.twin.named then
-    h.nonce = sub(ticket, 1, find(ticket, ' ', 1, true) - 1)
+    -- The nonce: the ticket's text before its space (all of it if it has none).
+    h.nonce = sub(ticket, 1, (find(ticket, ' ', 1, true) or 0) - 1)
   end
   return h
 end
@@ -197,34 +200,36 @@ end
 -- nothing to undo and the reply is the hit's.
 local reply, n = {}, 0
 a, k = first, 0
-for _ = 1, requests do
-  local sh, ticket = shapes[ARGV[a + 1]], ARGV[a + 2]
-  -- The request's values follow ARGV position at; its i-th hit's key is KEYS[key + i].
-  local at, key, mode, count = a + 2, k, sh[1], sh[2]
-  -- Its deadline (0: none), read only in a call that started late.
-  local deadline = late and sub(ticket, find(ticket, ' ', 1, true) + 1) + 0
-  a, k = at + sh[3], k + count
-  n = n + 1
-  if mode == 'r' then
-    local stamps = sh.stamp
-    for i = 1, count do
-      load(sh, i, at, key, ticket).stamp = ARGV[at + stamps[i]]
-    end
-    -- Last charge first, so two charges of one key are undone in the reverse of their order.
-    for i = count, 1, -1 do
-      local h = hits[i]
-      if h.cost > 0 then
-        h.spec.twin.refund(h.spec, h, now)
+for _ = 1, runs do
+  local sh = shapes[ARGV[a + 1]]
+  local mode, count, extras, quick = sh[1], sh[2], sh[3], sh.quick
+  a = a + 1
+  for _ = 1, sh.size do
+    local ticket = ARGV[a + 1]
+    -- The request's values follow ARGV position at; its i-th hit's key is KEYS[key + i].
+    local at, key = a + 1, k
+    a, k = at + extras, k + count
+    -- Its deadline is read only in a call that started late (0: none, and so is a ticket
+    -- without one, or with one that is no number).
+    local deadline = late and tonumber(sub(ticket, (find(ticket, ' ', 1, true) or #ticket) + 1))
+    if mode == 'r' then
+      local stamps = sh.stamp
+      for i = 1, count do
+        load(sh, i, at, key, ticket).stamp = ARGV[at + stamps[i]]
       end
-    end
-    reply[n] = 1
-  elseif deadline and deadline > 0 and now > deadline then
-    reply[n] = 0
-  else
-    reply[n] = 1
-    local quick, admitted, remaining, reset, stamp = sh.quick
-    if quick then
-      local take = quick.take
+      -- Last charge first, so two charges of one key are undone in the reverse of their
+      -- order.
+      for i = count, 1, -1 do
+        local h = hits[i]
+        if h.cost > 0 then
+          h.spec.twin.refund(h.spec, h, now)
+        end
+      end
+    elseif deadline and deadline > 0 and now > deadline and count > 0 then
+      n = n + 1
+      reply[n] = false
+    elseif quick then
+      local take, admitted, remaining, reset, stamp = quick.take
       if take then
         admitted, remaining, reset, stamp = take(quick, KEYS[key + 1], sh[5], sh[6], ticket)
       end
@@ -235,8 +240,6 @@ for _ = 1, requests do
           twin.commit(quick, h, now, ticket)
         end
       end
-    end
-    if admitted ~= nil then
       reply[n + 1] = admitted and remaining or -1 - remaining
       reply[n + 2] = reset
       if mode == 'e' then

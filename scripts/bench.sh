@@ -290,10 +290,10 @@ ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
     tail -1 | cut -d, -f2 | tr -d '"'
 }
 # The call must be one the script decides, not an error redis-benchmark would count as fast:
-# two requests decided (1, then the hit's remaining and reset) and the time, 7 values.
+# two requests decided (each the hit's remaining and reset) and the time, 5 values.
 mapfile -t probe_args < <(evalsha_args fw 1 2)
 probe="$(rcli EVALSHA "$SHA" "${probe_args[@]}")"
-[ "$(grep -c . <<<"$probe")" = 7 ] && ! grep -q ERR <<<"$probe" ||
+[ "$(grep -c . <<<"$probe")" = 5 ] && ! grep -q ERR <<<"$probe" ||
   { echo "the ceiling's EVALSHA does not decide:" >&2; echo "$probe" >&2; exit 1; }
 target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)
 for rule in fw sw tb; do

@@ -636,47 +636,50 @@ async fn mixed_run(b: &RedisBackend) {
 /// A call the batch script cannot read is refused whole, before it writes anything: the
 /// well-formed request in front of the flaw is not charged either. A call it can read writes
 /// counters that expire. Each row is one call's KEYS and the ARGV after the spec (fixed
-/// window, 10 per minute): the request count, then per request its shape, ticket and extra
-/// values (`lua/batch.lua` has the layout).
+/// window, 10 per minute): the count of runs of alike requests, then per run its shape (ended
+/// by how many requests it holds), then per request its ticket and extra values
+/// (`lua/batch.lua` has the layout).
 #[test]
 fn a_call_the_script_cannot_read_writes_nothing() {
-    /// A case, its KEYS, its requests' values, and a word of the error it gets (None: none).
+    /// A case, its KEYS, its runs' values, and a word of the error it gets (None: none).
     type Malformed<'a> = (&'a str, &'a [&'a str], &'a [&'a str], Option<&'a str>);
     let server = RedisServer::start();
     let script = turnstile::backend::redis::batch_source();
-    let good = ["a 1:1", "n1 0"];
+    let good = ["a 1:1*1", "n1 0"];
+    let two = ["k1", "k2"];
     #[rustfmt::skip]
-    let cases: [Malformed; 9] = [
-        ("well formed", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", "n2 0"], None),
-        ("a nonce of nothing", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", " 0"], None),
-        ("no such mode", &["k1", "k2"], &["2", good[0], good[1], "x 1:1", "n2 0"], Some("shaped")),
-        ("trailing text", &["k1", "k2"], &["2", good[0], good[1], "a 1:1 junk", "n2 0"], Some("shaped")),
-        ("no such spec", &["k1", "k2"], &["2", good[0], good[1], "a 2:1", "n2 0"], Some("spec")),
-        ("no ticket", &["k1", "k2"], &["2", good[0], good[1], "a 1:1"], Some("ticket")),
-        ("a ticket without deadline", &["k1", "k2"], &["2", good[0], good[1], "a 1:1", "n2"], Some("ticket")),
-        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1", "n2 0"], Some("keys")),
-        ("a lease missing", &["k1", "k2"], &["2", good[0], good[1], "a 1:1L", "n2 0"], Some("values")),
+    let cases: [Malformed; 14] = [
+        ("well formed", &two, &["2", good[0], good[1], "a 1:1*1", "n2 0"], None),
+        ("one run of two", &two, &["1", "a 1:1*2", "n1 0", "n2 0"], None),
+        ("a nonce of nothing", &two, &["2", good[0], good[1], "a 1:1*1", " 0"], None),
+        ("a ticket without deadline", &two, &["2", good[0], good[1], "a 1:1*1", "n2"], None),
+        ("no such mode", &two, &["2", good[0], good[1], "x 1:1*1", "n2 0"], Some("shaped")),
+        ("trailing text", &two, &["2", good[0], good[1], "a 1:1 junk*1", "n2 0"], Some("shaped")),
+        ("text after the size", &two, &["2", good[0], good[1], "a 1:1*1 junk", "n2 0"], Some("shaped")),
+        ("no size", &two, &["2", good[0], good[1], "a 1:1", "n2 0"], Some("shaped")),
+        ("a run of none", &two, &["2", good[0], good[1], "a 1:1*0"], Some("no request")),
+        ("no such spec", &two, &["2", good[0], good[1], "a 2:1*1", "n2 0"], Some("spec")),
+        ("no ticket", &two, &["2", good[0], good[1], "a 1:1*1"], Some("values")),
+        ("a run longer than its tickets", &two, &["1", "a 1:1*3", "n1 0", "n2 0"], Some("values")),
+        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1*1", "n2 0"], Some("keys")),
+        ("a lease missing", &two, &["2", good[0], good[1], "a 1:1L*1", "n2 0"], Some("values")),
     ];
-    for (case, keys, requests, error) in cases {
+    for (case, keys, runs, error) in cases {
         server.query::<()>(&["FLUSHALL"]);
         let mut args = vec!["EVAL", script];
         let count = keys.len().to_string();
         args.push(&count);
         args.extend(keys);
         args.extend(["0", "0", "1", "fixed_window", "10", "60", "10", "e"]);
-        args.extend(requests);
+        args.extend(runs);
         let reply = server.try_query::<Vec<i64>>(&args);
         let written: i64 = server.query(&["DBSIZE"]);
         match error {
             None => {
                 let reply = reply.unwrap_or_else(|err| panic!("{case}: {err}"));
-                // Per request: decided, remaining 9, a reset; then the script's time.
-                assert_eq!(reply.len(), 2 * 3 + 1, "{case}: {reply:?}");
-                assert_eq!(
-                    [reply[0], reply[1], reply[3], reply[4]],
-                    [1, 9, 1, 9],
-                    "{case}"
-                );
+                // Per request: remaining 9, a reset; then the script's time.
+                assert_eq!(reply.len(), 2 * 2 + 1, "{case}: {reply:?}");
+                assert_eq!([reply[0], reply[2]], [9, 9], "{case}");
                 assert_eq!(written, 2, "{case}: one counter per key");
                 for key in server.keys("*") {
                     let ttl: i64 = server.query(&["PTTL", &key]);
@@ -690,6 +693,31 @@ fn a_call_the_script_cannot_read_writes_nothing() {
             }
         }
     }
+}
+
+/// In a call that starts past its earliest deadline, each request is read against its own:
+/// one past it gets a nil and charges nothing, one with none or a later one is decided.
+#[test]
+fn a_call_started_late_decides_only_the_requests_still_awaited() {
+    let server = RedisServer::start();
+    let script = turnstile::backend::redis::batch_source();
+    // Decided at 10^15 µs; the first request's deadline, 5 µs, is long past.
+    let now = "1000000000000000";
+    #[rustfmt::skip]
+    let args = [
+        "EVAL", script, "3", "k1", "k2", "k3",
+        now, "5", "1", "fixed_window", "10", "60", "10", "e",
+        "1", "a 1:1*3", "n1 5", "n2 0", "n3 2000000000000000",
+    ];
+    let reply: Vec<Option<i64>> = server.query(&args);
+    let decided: Vec<Option<i64>> = [reply[1], reply[3]].to_vec();
+    assert_eq!(reply.len(), 1 + 2 * 2 + 1, "{reply:?}");
+    assert_eq!(reply[0], None, "past its deadline: {reply:?}");
+    assert_eq!(decided, [Some(9), Some(9)], "{reply:?}");
+    assert_eq!(reply.last(), Some(&Some(now.parse().unwrap())));
+    let mut counters = server.keys("*");
+    counters.sort();
+    assert_eq!(counters, ["k2:999999960", "k3:999999960"]);
 }
 
 #[tokio::test]

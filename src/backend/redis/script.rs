@@ -239,11 +239,12 @@ impl<'a> Call<'a> {
                 .arg(spec.burst)
                 .arg(spec.role);
         }
-        cmd.arg(self.parts.len());
-        // Per request its shape, its ticket, then its leases and (refund) stamps.
-        let (mut shape, mut ticket) = (String::new(), String::new());
+        // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
+        // how many requests it holds, then each request's ticket, leases and (refund) stamps.
+        let mut runs: Vec<(String, &[(&Part, i64)])> = Vec::new();
+        let (mut shape, mut start) = (String::new(), 0);
         let mut spec_of = self.spec_of.iter();
-        for (part, deadline) in &self.parts {
+        for (i, (part, _)) in self.parts.iter().enumerate() {
             shape.clear();
             shape.push(part.mode.letter());
             for (hit, spec) in part.hits.iter().zip(&mut spec_of) {
@@ -253,15 +254,30 @@ impl<'a> Call<'a> {
                     shape.push('L');
                 }
             }
-            ticket.clear();
-            let _ = write!(ticket, "{} {deadline}", part.nonce.0);
-            cmd.arg(&shape).arg(&ticket);
-            for hit in &part.hits {
-                if let Some(lease) = &hit.lease {
-                    cmd.arg(lease);
+            match runs.last_mut() {
+                Some((last, parts)) if *last == shape => *parts = &self.parts[start..=i],
+                _ => {
+                    start = i;
+                    runs.push((shape.clone(), &self.parts[i..=i]));
                 }
-                if part.mode == Mode::Refund {
-                    cmd.arg(hit.stamp);
+            }
+        }
+        cmd.arg(runs.len());
+        let mut ticket = String::new();
+        for (mut shape, parts) in runs {
+            let _ = write!(shape, "*{}", parts.len());
+            cmd.arg(&shape);
+            for (part, deadline) in parts {
+                ticket.clear();
+                let _ = write!(ticket, "{} {deadline}", part.nonce.0);
+                cmd.arg(&ticket);
+                for hit in &part.hits {
+                    if let Some(lease) = &hit.lease {
+                        cmd.arg(lease);
+                    }
+                    if part.mode == Mode::Refund {
+                        cmd.arg(hit.stamp);
+                    }
                 }
             }
         }
@@ -270,7 +286,7 @@ impl<'a> Call<'a> {
 }
 
 /// Run a call: by hash, and by text if the server lost the script.
-pub(super) async fn run(pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<i64>> {
+pub(super) async fn run(pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<Option<i64>>> {
     let batch = &*BATCH;
     match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -296,10 +312,10 @@ pub(super) struct Answer {
     pub(super) replies: Vec<Option<Vec<Reply>>>,
 }
 
-/// Decode the script's reply to `call`: per part a status, then per hit when decided its
-/// remaining (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp;
-/// then the time that ends them.
-pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendError> {
+/// Decode the script's reply to `call`: per part, when decided, per hit its remaining
+/// (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp; a nil alone
+/// for a part past its deadline; nothing for a refund; then the time that ends them.
+pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, BackendError> {
     let malformed = || {
         BackendError::Unavailable(format!(
             "the Redis script replied {} values for {} requests",
@@ -308,26 +324,31 @@ pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendErro
         ))
     };
     let (&redis_now, mut rest) = raw.split_last().ok_or_else(malformed)?;
+    let redis_now = redis_now.ok_or_else(malformed)?;
     let mut replies = Vec::with_capacity(call.parts.len());
     for (part, _) in &call.parts {
-        let (&status, after) = rest.split_first().ok_or_else(malformed)?;
-        rest = after;
         let per_hit = match part.mode {
-            Mode::Refund => 0,
+            Mode::Refund => {
+                replies.push(Some(Vec::new()));
+                continue;
+            }
             Mode::Each => 3,
             Mode::Atomic | Mode::Check => 2,
         };
-        let values = if status == 1 { part.len() * per_hit } else { 0 };
+        if part.len() > 0
+            && let Some((None, after)) = rest.split_first()
+        {
+            rest = after;
+            replies.push(None);
+            continue;
+        }
+        let values = part.len() * per_hit;
         if rest.len() < values {
             return Err(malformed());
         }
         let (hits, after) = rest.split_at(values);
         rest = after;
-        let decided = match per_hit {
-            0 => Vec::new(),
-            per_hit => decode_hits(hits, per_hit),
-        };
-        replies.push((status == 1).then_some(decided));
+        replies.push(Some(decode_hits(hits, per_hit).ok_or_else(malformed)?));
     }
     if !rest.is_empty() {
         return Err(malformed());
@@ -335,26 +356,30 @@ pub(super) fn decode(raw: &[i64], call: &Call<'_>) -> Result<Answer, BackendErro
     Ok(Answer { redis_now, replies })
 }
 
-fn decode_hits(raw: &[i64], per_hit: usize) -> Vec<Reply> {
+/// A decided part's replies, `per_hit` values each; None if one is nil.
+fn decode_hits(raw: &[Option<i64>], per_hit: usize) -> Option<Vec<Reply>> {
     raw.chunks_exact(per_hit)
         .map(|r| {
-            let (admitted, remaining) = if r[0] >= 0 {
-                (true, r[0])
+            let (reply, reset) = (r[0]?, r[1]?);
+            let (admitted, remaining) = if reply >= 0 {
+                (true, reply)
             } else {
-                (false, -1 - r[0])
+                (false, -1 - reply)
             };
-            Reply {
+            Some(Reply {
                 outcome: Outcome {
                     admitted,
                     remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    reset_after: Duration::from_micros(r[1].max(0).unsigned_abs()),
+                    reset_after: Duration::from_micros(reset.max(0).unsigned_abs()),
                 },
-                stamp: r.get(2).copied().unwrap_or_default(),
-            }
+                stamp: match r.get(2) {
+                    Some(stamp) => (*stamp)?,
+                    None => 0,
+                },
+            })
         })
         .collect()
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,7 +409,8 @@ mod tests {
     }
 
     #[test]
-    fn a_call_sends_each_spec_once_and_each_request_as_its_shape_ticket_and_leases() {
+    fn a_call_sends_each_spec_once_each_run_of_alike_requests_one_shape_and_each_request_its_ticket()
+     {
         let minute = Limit::fixed(10, Unit::Minute);
         let leased = Limit {
             algorithm: Kind::Concurrency,
@@ -397,16 +423,20 @@ mod tests {
         let mut second = Part::new(Mode::Refund, nonce("n2"));
         push(&mut second, "c", minute, None, 0);
         push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
-        let call = Call::new(vec![(&first, 0), (&second, 5), (&first, 3)], None);
+        let call = Call::new(
+            vec![(&first, 0), (&first, 4), (&second, 5), (&first, 3)],
+            None,
+        );
         let expected = [
-            "EVALSHA sha 6 a b c d a b",
+            "EVALSHA sha 8 a b a b c d a b",
             // Redis time, the earliest deadline, two specs.
             "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
-            // Three requests: shape (mode, then spec:cost per hit, L for a lease), ticket
-            // (nonce and deadline), then the leases and, in a refund, the stamps.
-            "3|a 1:1 2:1L|n1 0|+r",
-            "r 1:0 2:2L|n2 5|7|-r|7",
-            "a 1:1 2:1L|n1 3|+r",
+            // Three runs of requests alike: the shape (mode, then spec:cost per hit, L for a
+            // lease, then how many requests in a row share it), then per request its ticket
+            // (nonce and deadline), its leases and, in a refund, its stamps.
+            "3|a 1:1 2:1L*2|n1 0|+r|n1 4|+r",
+            "r 1:0 2:2L*1|n2 5|7|-r|7",
+            "a 1:1 2:1L*1|n1 3|+r",
         ];
         let expected: Vec<&str> = expected
             .iter()
@@ -421,7 +451,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reply_carries_stamps_only_for_each_parts_and_refusals_below_zero() {
+    fn a_reply_carries_stamps_only_for_each_parts_refusals_below_zero_and_a_nil_for_late() {
         let minute = Limit::fixed(10, Unit::Minute);
         let part = |mode| {
             let mut part = Part::new(mode, Nonce::new());
@@ -434,13 +464,14 @@ mod tests {
             vec![(&atomic, 0), (&each, 0), (&refund, 0), (&atomic, 9)],
             None,
         );
+        let v = Some;
         #[rustfmt::skip]
         let raw = [
-            1, 7, 100, -1, 200,
-            1, 6, 100, 41, -3, 200, 42,
-            1,
-            0,
-            555,
+            v(7), v(100), v(-1), v(200),
+            v(6), v(100), v(41), v(-3), v(200), v(42),
+            // The refund replies nothing; the late request a nil.
+            None,
+            v(555),
         ];
         let answer = decode(&raw, &call).expect("a well-formed reply");
         assert_eq!(answer.redis_now, 555);
@@ -470,8 +501,12 @@ mod tests {
             None,
         ];
         assert_eq!(seen, expected);
-        // One value short, or one too many, is an error, not a guess.
+        // One value short, one too many, or a nil in a decided hit's place is an error, not a
+        // guess.
         assert!(decode(&raw[1..], &call).is_err());
-        assert!(decode(&[&raw[..], &[1]].concat(), &call).is_err());
+        assert!(decode(&[&raw[..], &[Some(1)]].concat(), &call).is_err());
+        let mut nil_in_place = raw;
+        nil_in_place[1] = None;
+        assert!(decode(&nil_in_place, &call).is_err());
     }
 }
