@@ -68,14 +68,18 @@ end
 
 return {
   -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
-  -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text).
+  -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text). Times
+  -- and windows are whole numbers, so rounding is done with '%', which costs less than a
+  -- call of math.floor or math.ceil.
   prepare = function(s, now)
-    local start = math.floor(math.floor(now / 1000000) / s.window) * s.window
+    local window, seconds = s.window, (now - now % 1000000) / 1000000
+    local start = seconds - seconds % window
     s.start = start
     s.suffix = separator .. format('%d', start)
-    s.reset = (start + s.window) * 1000000 - now
-    s.ttl = math.ceil(s.reset / 1000)
-    s.spread = math.min(s.window * 1000, SPREAD_MS)
+    local reset = (start + window) * 1000000 - now
+    s.reset = reset
+    s.ttl = (reset + 999 - (reset + 999) % 1000) / 1000
+    s.spread = window * 1000 < SPREAD_MS and window * 1000 or SPREAD_MS
   end,
 
   check = check,
