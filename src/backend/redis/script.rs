@@ -380,6 +380,7 @@ fn decode_hits(raw: &[Option<i64>], per_hit: usize) -> Option<Vec<Reply>> {
         })
         .collect()
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -409,8 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn a_call_sends_each_spec_once_each_run_of_alike_requests_one_shape_and_each_request_its_ticket()
-     {
+    fn a_call_sends_each_spec_and_each_run_shape_once_then_every_request_ticket() {
         let minute = Limit::fixed(10, Unit::Minute);
         let leased = Limit {
             algorithm: Kind::Concurrency,
