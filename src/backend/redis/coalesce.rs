@@ -16,11 +16,13 @@
 //! Redis has not answered within the call timeout of that. A caller whose wait ran out while
 //! its request was still queued here gets [`BackendError::Late`] instead: the policy's
 //! answer, but no evidence against Redis (once written, the caller waits for the I/O
-//! runtime's verdict). So does a call that timed out while the I/O runtime itself was kept
-//! from running (a machine short of CPU: Redis' answer may have waited for us). A queued
-//! request whose deadline passed, or whose caller left, is never sent: it could only charge
-//! for nothing. A call's answers go back to the threads that asked through their mailboxes
-//! (`mailbox`): one wake-up per thread per call, not one per request.
+//! runtime's verdict). A call whose timer ran out while the I/O runtime itself was kept
+//! from running (a paused host, a machine short of CPU: Redis' answer may have waited for
+//! us) gets one more call timeout to be read, and is late, not timed out, if it misses that
+//! too. A queued request whose deadline passed, or whose caller left, is never sent: it
+//! could only charge for nothing. A call's answers go back to the threads that asked
+//! through their mailboxes (`mailbox`): one wake-up per thread per call, not one per
+//! request.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};

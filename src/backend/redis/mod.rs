@@ -224,23 +224,36 @@ impl Shared {
     }
 
     /// A command bounded by `bound`, run on the I/O runtime. No reply in time is
-    /// [`BackendError::Timeout`], unless that runtime's own lag explains the wait
-    /// ([`BackendError::Late`]: Redis' reply may have waited for us).
+    /// [`BackendError::Timeout`], unless that runtime's own lag explains the wait: the process
+    /// was kept from running (a paused host, a starved thread), and Redis has most likely
+    /// answered meanwhile, its reply unread. Then the command gets one more `bound`, timed on
+    /// a running process, before it fails: [`BackendError::Late`] if lag explains that wait
+    /// too, else a timeout. Failing at once would answer by policy a request Redis decided,
+    /// and charged, in time.
     async fn bounded<T>(
         &self,
         bound: Duration,
         command: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, BackendError> {
-        match tokio::time::timeout(bound, command).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(err)) => {
-                self.pool.trouble(&err);
-                Err(backend_error(&err))
-            }
-            Err(_) if self.lanes.lag.explains(bound) => Err(BackendError::Late),
-            Err(_) => {
-                self.pool.timed_out();
-                Err(BackendError::Timeout)
+        let mut command = std::pin::pin!(command);
+        let mut waited_for_us = false;
+        loop {
+            match tokio::time::timeout(bound, &mut command).await {
+                Ok(Ok(reply)) => return Ok(reply),
+                Ok(Err(err)) => {
+                    self.pool.trouble(&err);
+                    return Err(backend_error(&err));
+                }
+                Err(_) if self.lanes.lag.explains(bound) => {
+                    if waited_for_us {
+                        return Err(BackendError::Late);
+                    }
+                    waited_for_us = true;
+                }
+                Err(_) => {
+                    self.pool.timed_out();
+                    return Err(BackendError::Timeout);
+                }
             }
         }
     }
