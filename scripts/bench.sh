@@ -18,7 +18,10 @@
 #      also read against), those binaries and this build in turn, same load, same run; and
 #      a fleet: 4 instances sharing one Redis (total decisions/s, Redis CPU per decision);
 #   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
-#      expire (this build, 20 s across a minute's end).
+#      expire (this build, 20 s across a minute's end);
+#   h. beside the Rust peer: with BENCH_PEER=limitador=<a limitador-server binary, built
+#      from Kuadrant/limitador apart from this repository>, it and this build in turn, same
+#      generator and Redis, the fixed window's load on each backend.
 #
 # It builds release, starts its own redis-server (free loopback port, never 6379, no
 # persistence) and turnstile processes, and stops every one of them by PID when it ends, on
@@ -37,7 +40,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -191,7 +194,7 @@ rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 load() {
   local name="$1" backend="$2" rule="$3" keys="$4"
   shift 4
-  local watch="turnstile=$TS_PID"
+  local watch="${WATCH_AS:-turnstile}=$TS_PID"
   [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
   "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
     --connections "$CONNECTIONS" \
@@ -400,6 +403,54 @@ if [ "${#sides[@]}" -gt 0 ]; then
         [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
         load "ab/$backend/$side/$round" "$backend" fw "$BIG"
         stop "$TS_PID"
+      done
+    done
+  done
+fi
+
+# h. Beside the Rust peer, limitador, with a limit like the rule fw (10^9 a minute per value
+#    of the descriptor key fw): it and this build in turn (A B A B), each watched as
+#    "server", on the memory backend and on the same Redis, 1 key and 100 000.
+if [ -n "${BENCH_PEER:-}" ]; then
+  peer="${BENCH_PEER#limitador=}"
+  [ "$peer" != "$BENCH_PEER" ] && [ -x "$peer" ] ||
+    { echo "BENCH_PEER: limitador=PATH, PATH a limitador-server binary" >&2; exit 2; }
+  cat >"$TMP/limitador.yaml" <<'EOF'
+- namespace: bench
+  max_value: 1000000000
+  seconds: 60
+  conditions: []
+  variables:
+    - descriptors[0].fw
+EOF
+  log "beside the peer: $("$peer" --version 2>/dev/null | head -1)"
+  start_peer() { # BACKEND
+    local storage=(memory) http_port
+    [ "$1" = redis ] && storage=(redis "redis://127.0.0.1:$REDIS_PORT")
+    GRPC="127.0.0.1:$(free_port)"
+    http_port="$(free_port)"
+    RUST_LOG=error "$peer" -b 127.0.0.1 -p "${GRPC#*:}" -B 127.0.0.1 -P "$http_port" \
+      "$TMP/limitador.yaml" "${storage[@]}" >>"$OUT/limitador.log" 2>&1 &
+    TS_PID=$!
+    PIDS+=("$TS_PID")
+    for _ in $(seq 200); do
+      [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$http_port/status")" = 200 ] &&
+        return 0
+      kill -0 "$TS_PID" 2>/dev/null || break
+      sleep 0.05
+    done
+    echo "limitador ($1) did not become healthy; see $OUT/limitador.log" >&2
+    exit 1
+  }
+  for backend in memory redis; do
+    for keys in 1 "$BIG"; do
+      for round in 1 2; do
+        for side in current limitador; do
+          if [ "$side" = current ]; then start_turnstile "$backend"; else start_peer "$backend"; fi
+          [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+          WATCH_AS=server load "peer/$backend/$side/$keys/$round" "$backend" fw "$keys"
+          stop "$TS_PID"
+        done
       done
     done
   done

@@ -202,6 +202,33 @@ def main(argv):
                     f"{redis_cpu} | {p99} | {errors} |"
                 )
 
+    peer = [r for r in rows if r["name"].startswith("peer/")]
+
+    def peer_rounds(backend, side, keys):
+        """The runs of one server beside the peer, round by round."""
+        prefix = f"peer/{backend}/{side}/{keys}/"
+        return sorted((r for r in peer if r["name"].startswith(prefix)), key=lambda r: r["name"])
+
+    if peer:
+        table("Beside the Rust peer, limitador (this run: it and this build in turn, fixed window, 64 in flight)", "| backend | keys | server | calls/s (each round) | server CPU µs/call (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors |", "|---|---:|---|---|---|---|---|---:|")
+        for backend in ("memory", "redis"):
+            for keys in (1, BIG):
+                for side in ("current", "limitador"):
+                    runs = peer_rounds(backend, side, keys)
+                    if not runs:
+                        continue
+
+                    def each(f):
+                        return " · ".join(f(r) for r in runs)
+
+                    calls = each(lambda r: fmt_int(r["rps"]))
+                    server_cpu = each(lambda r: f"{cpu_of(r, 'server'):.1f}")
+                    redis_cpu = each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–"
+                    p99 = each(lambda r: f"{r['latency_ms']['p99']:.2f}")
+                    errors = sum(r["errors"] for r in runs)
+                    server = {"current": "turnstile (this build)"}.get(side, side)
+                    w(f"| {backend} | {fmt_int(keys)} | {server} | {calls} | {server_cpu} | {redis_cpu} | {p99} | {errors} |")
+
     rollover = [r for r in rows if r["name"].startswith("rollover/")]
     if rollover:
         table("A window's end (Redis backend, fixed window of a minute, 100 000 keys, 64 in flight, 20 s from 15 s before the minute's end)", "| build | decisions/s | p99 ms | p99.9 ms | errors | Redis's longest expire cycle, ms |", "|---|---:|---:|---:|---:|---:|")
@@ -307,6 +334,16 @@ def main(argv):
     if issue and now:
         then_us, now_us = (mean(runs, lambda r: cpu_of(r, "turnstile")) for runs in (issue, now))
         checks.append(("memory backend ≤ 12 µs turnstile CPU per call, beside the issue's build (same run)", now_us <= 12, f"{then_us:.1f} → {now_us:.1f} µs"))
+    # Beside the peer (section h): means over the rounds, 100 000 keys.
+    ours, theirs = peer_rounds("memory", "current", BIG), peer_rounds("memory", "limitador", BIG)
+    if ours and theirs:
+        calls = mean(ours, lambda r: r["rps"]) / mean(theirs, lambda r: r["rps"])
+        cpu = mean(ours, lambda r: cpu_of(r, "server")) / mean(theirs, lambda r: cpu_of(r, "server"))
+        checks.append(("memory backend ahead of limitador: more calls/s, less CPU per call (same run)", calls > 1 and cpu < 1, f"×{calls:.2f} its calls/s, ×{cpu:.2f} its CPU per call"))
+    ours, theirs = peer_rounds("redis", "current", BIG), peer_rounds("redis", "limitador", BIG)
+    if ours and theirs:
+        now_us, peer_us = (mean(runs, lambda r: cpu_of(r, "redis")) for runs in (ours, theirs))
+        checks.append(("Redis CPU per decision below limitador's (same run)", now_us < peer_us, f"{now_us:.1f} against {peer_us:.1f} µs (×{now_us / peer_us:.2f})"))
     healthy = [r for r in rows if r["name"].startswith("redis_batch_default/")]
     if healthy:
         errors = ", ".join(f"{r['concurrency']}: {r['errors']}" for r in sorted(healthy, key=lambda r: r["concurrency"]))
