@@ -1454,6 +1454,28 @@ async fn a_cached_refusal_refuses_its_request_during_an_outage() {
     );
 }
 
+/// One instance on a Redis of its own at the default 25 ms Redis timeout. The instance is
+/// dropped (stopped) first, then its rules and Redis.
+struct Alone {
+    turnstile: Turnstile,
+    _rules: Rules,
+    _store: Store,
+}
+
+impl Alone {
+    async fn start() -> Alone {
+        let store = Store::Single(RedisServer::start());
+        let rules = Rules::new(RULES);
+        let args = store.args("25ms");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Alone {
+            turnstile: Turnstile::start(rules.path(), &args).await,
+            _rules: rules,
+            _store: store,
+        }
+    }
+}
+
 /// A saturated machine (here 48 calls of 64 descriptors each kept in flight on 2 cores, by
 /// this test, turnstile and Redis together) queues work in turnstile, not in Redis: calls that
 /// wait there too long are answered by the policy (late), but they do not open the breaker on
@@ -1462,11 +1484,8 @@ async fn a_cached_refusal_refuses_its_request_during_an_outage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
     let _serial = load::serial().await;
-    let store = Store::Single(RedisServer::start());
-    let rules = Rules::new(RULES);
-    let args = store.args("25ms");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let t = Turnstile::start(rules.path(), &args).await;
+    let alone = Alone::start().await;
+    let t = &alone.turnstile;
     let mut channels = Vec::new();
     for _ in 0..4 {
         channels.push(t.channel().await);
@@ -1529,11 +1548,8 @@ async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_of_turnstile_itself_fails_no_call() {
     let _serial = load::serial().await;
-    let store = Store::Single(RedisServer::start());
-    let rules = Rules::new(RULES);
-    let args = store.args("25ms");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let t = Turnstile::start(rules.path(), &args).await;
+    let alone = Alone::start().await;
+    let t = &alone.turnstile;
     const STREAMS: usize = 16;
     const PAUSES: usize = 8;
     const PAUSE: Duration = Duration::from_millis(150);
