@@ -168,6 +168,18 @@ declare -A ALGO=([over]=fixed_window [fwh]=fixed_window [swh]=sliding_window
 for rule in "${!CALL_ALGO[@]}"; do ALGO[$rule]="${CALL_ALGO[$rule]}"; done
 
 TS_PID="" GRPC=""
+# await_healthy URL WHAT LOG: wait until the server just started ($TS_PID) answers URL with
+# 200; if it exits or never does, say so (pointing at LOG) and stop the run.
+await_healthy() {
+  for _ in $(seq 200); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "$1")" = 200 ] && return 0
+    kill -0 "$TS_PID" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "$2 did not become healthy; see $3" >&2
+  exit 1
+}
+
 # start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's).
 start_turnstile() {
   local http backend="$1"
@@ -179,13 +191,7 @@ start_turnstile() {
     >>"$OUT/turnstile.log" 2>&1 &
   TS_PID=$!
   PIDS+=("$TS_PID")
-  for _ in $(seq 200); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://$http/healthcheck")" = 200 ] && return 0
-    kill -0 "$TS_PID" 2>/dev/null || break
-    sleep 0.05
-  done
-  echo "turnstile ($backend) did not become healthy; see $OUT/turnstile.log" >&2
-  exit 1
+  await_healthy "http://$http/healthcheck" "turnstile ($backend)" "$OUT/turnstile.log"
 }
 
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
@@ -433,14 +439,7 @@ EOF
       "$TMP/limitador.yaml" "${storage[@]}" >>"$OUT/limitador.log" 2>&1 &
     TS_PID=$!
     PIDS+=("$TS_PID")
-    for _ in $(seq 200); do
-      [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$http_port/status")" = 200 ] &&
-        return 0
-      kill -0 "$TS_PID" 2>/dev/null || break
-      sleep 0.05
-    done
-    echo "limitador ($1) did not become healthy; see $OUT/limitador.log" >&2
-    exit 1
+    await_healthy "http://127.0.0.1:$http_port/status" "limitador ($1)" "$OUT/limitador.log"
   }
   for backend in memory redis; do
     for keys in 1 "$BIG"; do

@@ -176,9 +176,13 @@ def main(argv):
 
     ab = [r for r in rows if r["name"].startswith("ab/")]
 
+    def runs_under(prefix):
+        """The runs named under prefix, round by round (a name ends with its round)."""
+        return sorted((r for r in rows if r["name"].startswith(prefix)), key=lambda r: r["name"])
+
     def rounds(backend, side):
-        """The before/after runs of one build on one backend, round by round."""
-        return sorted((r for r in ab if r["name"].startswith(f"ab/{backend}/{side}/")), key=lambda r: r["name"])
+        """The before/after runs of one build on one backend."""
+        return runs_under(f"ab/{backend}/{side}/")
 
     if ab:
         table("Before/after (this run: the baseline binaries and this build in turn, fixed window, 100 000 keys, 64 in flight)", "| backend | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---:|")
@@ -205,9 +209,8 @@ def main(argv):
     peer = [r for r in rows if r["name"].startswith("peer/")]
 
     def peer_rounds(backend, side, keys):
-        """The runs of one server beside the peer, round by round."""
-        prefix = f"peer/{backend}/{side}/{keys}/"
-        return sorted((r for r in peer if r["name"].startswith(prefix)), key=lambda r: r["name"])
+        """The runs of one server beside the peer."""
+        return runs_under(f"peer/{backend}/{side}/{keys}/")
 
     if peer:
         table("Beside the Rust peer, limitador (this run: it and this build in turn, fixed window, 64 in flight)", "| backend | keys | server | calls/s (each round) | server CPU µs/call (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors |", "|---|---:|---|---|---|---|---|---:|")
