@@ -1463,8 +1463,7 @@ struct Alone {
 }
 
 impl Alone {
-    async fn start() -> Alone {
-        let store = Store::Single(RedisServer::start());
+    async fn start(store: Store) -> Alone {
         let rules = Rules::new(RULES);
         let args = store.args("25ms");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -1484,7 +1483,7 @@ impl Alone {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
     let _serial = load::serial().await;
-    let alone = Alone::start().await;
+    let alone = Alone::start(Store::Single(RedisServer::start())).await;
     let t = &alone.turnstile;
     let mut channels = Vec::new();
     for _ in 0..4 {
@@ -1544,72 +1543,95 @@ async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
 /// process gets no CPU), Redis healthy, calls in flight, at the default 25 ms Redis timeout.
 /// Calls written before a pause were answered by Redis meanwhile, and their timers ran out
 /// while turnstile could not run: each is answered from Redis's reply, none failed, and the
-/// breaker does not open. The timeout must measure Redis, not this process.
+/// breaker does not open. The timeout must measure Redis, not this process. On one server
+/// with one descriptor per request (one script call), and on a Cluster with two descriptors
+/// in different slots (a request of several calls, whose caller waits for all of them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_of_turnstile_itself_fails_no_call() {
     let _serial = load::serial().await;
-    let alone = Alone::start().await;
-    let t = &alone.turnstile;
     const STREAMS: usize = 16;
     const PAUSES: usize = 8;
     const PAUSE: Duration = Duration::from_millis(150);
-    let channel = t.channel().await;
-    let done = Arc::new(AtomicBool::new(false));
-    let mut streams = tokio::task::JoinSet::new();
-    for stream in 0..STREAMS {
-        let mut client = RateLimitServiceClient::new(channel.clone());
-        let done = Arc::clone(&done);
-        streams.spawn(async move {
-            let mut answers = Vec::new();
-            let mut n = 0;
-            while !done.load(Ordering::Relaxed) {
-                let signal = format!("pause-{stream}-{n}");
-                let started = Instant::now();
-                let answer = client
-                    .should_rate_limit(request("faults", vec![descriptor(&[("signal", &signal)])]))
-                    .await;
-                let answer = Answer::from_result(answer.map(tonic::Response::into_inner));
-                answers.push((answer, started.elapsed()));
-                n += 1;
-            }
-            answers
-        });
-    }
-    for _ in 0..PAUSES {
+    type Start = fn() -> Store;
+    let stores: [(&str, Start, &[&str]); 2] = [
+        ("one server", || Store::Single(RedisServer::start()), &["a"]),
+        (
+            "a Cluster, two slots",
+            || Store::Cluster(block_in_place(|| RedisCluster::start(3))),
+            &["a", "b"],
+        ),
+    ];
+    for (name, store, values) in stores {
+        let alone = Alone::start(store()).await;
+        let t = &alone.turnstile;
+        let channel = t.channel().await;
+        let done = Arc::new(AtomicBool::new(false));
+        let mut streams = tokio::task::JoinSet::new();
+        for stream in 0..STREAMS {
+            let mut client = RateLimitServiceClient::new(channel.clone());
+            let done = Arc::clone(&done);
+            streams.spawn(async move {
+                let mut answers = Vec::new();
+                let mut n = 0;
+                while !done.load(Ordering::Relaxed) {
+                    let signals: Vec<String> = values
+                        .iter()
+                        .map(|v| format!("pause-{stream}-{n}-{v}"))
+                        .collect();
+                    let descriptors = signals
+                        .iter()
+                        .map(|s| descriptor(&[("signal", s)]))
+                        .collect();
+                    let started = Instant::now();
+                    let answer = client
+                        .should_rate_limit(request("faults", descriptors))
+                        .await;
+                    let answer = Answer::from_result(answer.map(tonic::Response::into_inner));
+                    answers.push((answer, started.elapsed()));
+                    n += 1;
+                }
+                answers
+            });
+        }
+        for _ in 0..PAUSES {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            support::turnstile::signal(t.pid(), "STOP");
+            tokio::time::sleep(PAUSE).await;
+            support::turnstile::signal(t.pid(), "CONT");
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
-        support::turnstile::signal(t.pid(), "STOP");
-        tokio::time::sleep(PAUSE).await;
-        support::turnstile::signal(t.pid(), "CONT");
+        done.store(true, Ordering::Relaxed);
+        let answers: Vec<_> = streams.join_all().await.into_iter().flatten().collect();
+        let held = answers
+            .iter()
+            .filter(|(_, took)| *took >= PAUSE / 2)
+            .count();
+        let failed: Vec<&Answer> = answers
+            .iter()
+            .map(|(answer, _)| answer)
+            .filter(|a| a.failed())
+            .collect();
+        let opened = t
+            .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
+            .await
+            .unwrap_or(0.0);
+        println!(
+            "[faults] {name}: paused {PAUSES} times for {PAUSE:?}: {} calls, {held} held by a pause, {} failed {:?}",
+            answers.len(),
+            failed.len(),
+            failed.first()
+        );
+        // The pauses caught calls in flight, or this test shows nothing.
+        assert!(
+            held >= PAUSES,
+            "{name}: only {held} calls were held by a pause"
+        );
+        assert!(
+            failed.is_empty(),
+            "{name}: {} calls failed: {:?}",
+            failed.len(),
+            failed.first()
+        );
+        assert_eq!(opened, 0.0, "{name}: the breaker opened with Redis healthy");
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    done.store(true, Ordering::Relaxed);
-    let answers: Vec<_> = streams.join_all().await.into_iter().flatten().collect();
-    let held = answers
-        .iter()
-        .filter(|(_, took)| *took >= PAUSE / 2)
-        .count();
-    let failed: Vec<&Answer> = answers
-        .iter()
-        .map(|(answer, _)| answer)
-        .filter(|a| a.failed())
-        .collect();
-    let opened = t
-        .metric("turnstile_backend_circuit_transitions{state=\"open\"}")
-        .await
-        .unwrap_or(0.0);
-    println!(
-        "[faults] paused {PAUSES} times for {PAUSE:?}: {} calls, {held} held by a pause, {} failed {:?}",
-        answers.len(),
-        failed.len(),
-        failed.first()
-    );
-    // The pauses caught calls in flight, or this test shows nothing.
-    assert!(held >= PAUSES, "only {held} calls were held by a pause");
-    assert!(
-        failed.is_empty(),
-        "{} calls failed: {:?}",
-        failed.len(),
-        failed.first()
-    );
-    assert_eq!(opened, 0.0, "the breaker opened with Redis healthy");
 }

@@ -73,11 +73,12 @@ impl Job {
         }
     }
 
-    /// Run the job in its own task; the caller waits at most the call timeout.
+    /// Run the job in its own task; the caller waits the call timeout, once more if this
+    /// process's own lag explains the wait (as a single call's caller does).
     pub(super) async fn evaluate(self) -> Result<Vec<Outcome>, BackendError> {
         let shared = Arc::clone(&self.shared);
         let task = tokio::spawn(self.run());
-        match tokio::time::timeout(shared.call_timeout, task).await {
+        match shared.within(shared.call_timeout, task).await {
             Ok(Ok(result)) => result,
             Ok(Err(err)) => Err(BackendError::Unavailable(format!(
                 "a Redis Cluster request failed: {err}"

@@ -21,7 +21,7 @@ mod twins;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
 use ::redis::{RedisError, RedisResult};
@@ -224,37 +224,48 @@ impl Shared {
     }
 
     /// A command bounded by `bound`, run on the I/O runtime. No reply in time is
-    /// [`BackendError::Timeout`], unless that runtime's own lag explains the wait: the process
-    /// was kept from running (a paused host, a starved thread), and Redis has most likely
-    /// answered meanwhile, its reply unread. Then the command gets one more `bound`, timed on
-    /// a running process, before it fails: [`BackendError::Late`] if lag explains that wait
-    /// too, else a timeout. Failing at once would answer by policy a request Redis decided,
-    /// and charged, in time.
+    /// [`BackendError::Timeout`], unless this process's own lag explains the wait
+    /// ([`Shared::within`]): then [`BackendError::Late`].
     async fn bounded<T>(
         &self,
         bound: Duration,
         command: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, BackendError> {
-        let mut command = std::pin::pin!(command);
+        match self.within(bound, command).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(err)) => {
+                self.pool.trouble(&err);
+                Err(backend_error(&err))
+            }
+            Err(Expired::WaitedForUs) => Err(BackendError::Late),
+            Err(Expired::Slow) => {
+                self.pool.timed_out();
+                Err(BackendError::Timeout)
+            }
+        }
+    }
+
+    /// `work`'s output within `bound`, or why not. When the wait ran out while the process was
+    /// kept from running (a paused host, a starved thread: the I/O runtime's lag explains the
+    /// wait, or this timer itself went off over half a bound late), Redis has most likely
+    /// answered meanwhile, its reply unread: `work` gets one more `bound`, timed on a running
+    /// process. Failing at once would answer by policy a request Redis decided, and charged,
+    /// in time.
+    async fn within<F: Future>(&self, bound: Duration, work: F) -> Result<F::Output, Expired> {
+        let mut work = std::pin::pin!(work);
         let mut waited_for_us = false;
         loop {
-            match tokio::time::timeout(bound, &mut command).await {
-                Ok(Ok(reply)) => return Ok(reply),
-                Ok(Err(err)) => {
-                    self.pool.trouble(&err);
-                    return Err(backend_error(&err));
-                }
-                Err(_) if self.lanes.lag.explains(bound) => {
-                    if waited_for_us {
-                        return Err(BackendError::Late);
-                    }
-                    waited_for_us = true;
-                }
-                Err(_) => {
-                    self.pool.timed_out();
-                    return Err(BackendError::Timeout);
-                }
+            let started = Instant::now();
+            if let Ok(output) = tokio::time::timeout(bound, &mut work).await {
+                return Ok(output);
             }
+            if !(self.lanes.lag.explains(bound) || started.elapsed() > bound + bound / 2) {
+                return Err(Expired::Slow);
+            }
+            if waited_for_us {
+                return Err(Expired::WaitedForUs);
+            }
+            waited_for_us = true;
         }
     }
 
@@ -265,6 +276,14 @@ impl Shared {
     fn deadline(&self) -> Deadline {
         Deadline::current().unwrap_or_else(|| Deadline::after(self.call_timeout))
     }
+}
+
+/// Why [`Shared::within`] gave up waiting.
+enum Expired {
+    /// The last wait too was this process's own lag.
+    WaitedForUs,
+    /// The awaited side was slow while this process ran.
+    Slow,
 }
 
 fn backend_error(err: &RedisError) -> BackendError {
