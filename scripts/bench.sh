@@ -15,8 +15,10 @@
 #   f. before/after: with BENCH_BASELINE=<turnstile binaries built from earlier commits, as
 #      LABEL=PATH, comma-separated> (a bare PATH is labelled "baseline"; the label "issue"
 #      names the build issue 15 measured as "today", 4fa4128, which its targets are then
-#      also read against), those binaries and this build in turn, same load, same run; and
-#      a fleet: 4 instances sharing one Redis (total decisions/s, Redis CPU per decision);
+#      also read against), those binaries and this build in turn, same load, same run, at
+#      100 000 keys and at the load issue 15 measured (1 000 keys over 4 connections; this
+#      build alone without baselines); and a fleet: 4 instances sharing one Redis (total
+#      decisions/s, Redis CPU per decision);
 #   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
 #      expire (this build, 20 s across a minute's end);
 #   h. beside the Rust peer: with BENCH_PEER=limitador=<a limitador-server binary, built
@@ -40,7 +42,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -203,7 +205,7 @@ load() {
   local watch="${WATCH_AS:-turnstile}=$TS_PID"
   [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
   "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
-    --connections "$CONNECTIONS" \
+    --connections "${LOAD_CONNECTIONS:-$CONNECTIONS}" \
     --key "$rule" --keys "$keys" --duration "${LOAD_DURATION:-$DURATION}" \
     --warmup "${LOAD_WARMUP:-$WARMUP}" --threads 1 \
     --watch-pid "$watch" --json "$@" >"$TMP/run.json"
@@ -387,7 +389,9 @@ done
 
 # ---------------------------------------------------------------------------------------
 # f. Before/after in one run: the baselines and this build alternate (A B A B), so a drift
-#    in the machine's load hits all alike.
+#    in the machine's load hits all alike; and, with or without baselines, the load issue 15
+#    measured and set its targets at (1 000 keys over 4 connections; the runs above use 2
+#    connections and 1 or 100 000 keys).
 declare -A BUILD=([current]="$BIN")
 sides=()
 IFS=, read -ra baselines <<<"${BENCH_BASELINE:-}"
@@ -399,20 +403,24 @@ for baseline in "${baselines[@]}"; do
   BUILD[$label]="$path"
   sides+=("$label")
 done
-if [ "${#sides[@]}" -gt 0 ]; then
-  sides+=(current)
-  log "before/after: ${sides[*]}"
-  for backend in memory redis; do
-    for round in 1 2; do
-      for side in "${sides[@]}"; do
-        TS_BIN="${BUILD[$side]}" start_turnstile "$backend"
+# Each load: its runs' name, keys and connections.
+loads=("ab_issue_load 1000 4")
+[ "${#sides[@]}" -gt 0 ] && loads=("ab $BIG $CONNECTIONS" "${loads[@]}")
+sides+=(current)
+log "before/after: ${sides[*]}"
+for backend in memory redis; do
+  for round in 1 2; do
+    for side in "${sides[@]}"; do
+      TS_BIN="${BUILD[$side]}" start_turnstile "$backend"
+      for each in "${loads[@]}"; do
+        read -r prefix keys connections <<<"$each"
         [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
-        load "ab/$backend/$side/$round" "$backend" fw "$BIG"
-        stop "$TS_PID"
+        LOAD_CONNECTIONS="$connections" load "$prefix/$backend/$side/$round" "$backend" fw "$keys"
       done
+      stop "$TS_PID"
     done
   done
-fi
+done
 
 # h. Beside the Rust peer, limitador, with a limit like the rule fw (10^9 a minute per value
 #    of the descriptor key fw): it and this build in turn (A B A B), each watched as
