@@ -17,13 +17,15 @@
 --   - its shape: its mode's letter ('a' atomic, 'e' each, 'c' check, 'r' refund), then per
 --     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease, then
 --     '*<how many requests the run holds>'; read once per call however often it recurs;
---   - then per request of the run, its ticket, '<nonce> <deadline>', read only where needed
---     (the nonce names sliding-window entries and spreads expiries, the deadline matters to
---     a call started late; one that reads as no deadline is none), then per hit, in order,
---     its lease if it carries one ('+<id>' taken, '-<id>' given back: concurrency limits
---     only), and in a refund the stamp the charging call replied.
---   Every value a request sends beyond a key costs Redis about as much as a small decision's
---   Lua, so what requests share travels in text they share, once per run.
+--   - then its requests' tickets, in one value: per request, in order, 28 characters, its
+--     nonce (12 alphanumerics) then its deadline (16 digits; all zeros: none), read only
+--     where needed (the nonce names sliding-window entries and spreads expiries, the
+--     deadline matters to a call started late);
+--   - then per request of the run, per hit, in order, its lease if it carries one ('+<id>'
+--     taken, '-<id>' given back: concurrency limits only), and in a refund the stamp the
+--     charging call replied (most runs: nothing).
+--   Every value a call carries costs Redis about as much as a small decision's Lua, so what
+--   requests share travels in text they share, once per run, and their tickets together.
 -- A lease given back always applies: its request is over. A refund passes every hit of the
 -- charging call, in the same order (members are named after their index), with cost 0 for
 -- the hits that were not charged. The call's layout is checked before anything is written.
@@ -53,9 +55,12 @@
 -- All of this runs for every decision on Redis' one thread, so the work per hit is kept
 -- small: no table is made per hit or per verdict, and numbers go to Redis as the text they
 -- came in or were formatted in once per call.
-local ARGV, KEYS, byte, find, sub = ARGV, KEYS, string.byte, string.find, string.sub
+local ARGV, KEYS, byte, sub = ARGV, KEYS, string.byte, string.sub
 local match, gmatch = string.match, string.gmatch
 local GIVE = byte('-')
+-- A ticket's length, and its nonce's: a request's ticket starts after `o` characters of its
+-- run's tickets, o = (its place in the run - 1) * TICKET.
+local TICKET, NONCE = 28, 12
 
 -- A text becomes a number through strtod; the same few texts (costs, counts, spec indices)
 -- recur throughout a call, so each is converted once: `numbers[text] or number(text)` (a
@@ -156,8 +161,12 @@ for _ = 1, runs do
     end
     shapes[text] = sh
   end
+  if #(ARGV[a + 2] or '') ~= sh.size * TICKET then
+    error('a run is shaped ' .. text .. ': its tickets are not ' .. sh.size .. ' of '
+      .. TICKET .. ' characters')
+  end
   k = k + sh.size * sh[2]
-  a = a + 1 + sh.size * (1 + sh[3])
+  a = a + 2 + sh.size * sh[3]
 end
 if k ~= #KEYS or a ~= #ARGV then
   error('the call names ' .. k .. ' hits for ' .. #KEYS .. ' keys, and ' .. a .. ' of '
@@ -171,9 +180,9 @@ end
 local hits, charged = {}, {}
 
 -- The request's i-th hit's table, filled from its shape `sh`, its values after ARGV position
--- at, its key KEYS[key + i] and its ticket; the text of its cost goes to Redis as it came
--- (Redis parses it cheaply), the number to Lua.
-local function load(sh, i, at, key, ticket)
+-- at, its key KEYS[key + i] and its ticket (after `o` characters of `tickets`); the text of
+-- its cost goes to Redis as it came (Redis parses it cheaply), the number to Lua.
+local function load(sh, i, at, key, tickets, o)
   local h = hits[i]
   if not h then
     h = {}
@@ -184,8 +193,7 @@ local function load(sh, i, at, key, ticket)
     sh[j + 3], i
   h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
   if h.spec.twin.named then
-    -- The nonce: the ticket's text before its space (all of it if it has none).
-    h.nonce = sub(ticket, 1, (find(ticket, ' ', 1, true) or 0) - 1)
+    h.nonce = sub(tickets, o + 1, o + NONCE)
   end
   return h
 end
@@ -201,21 +209,21 @@ end
 local reply, n = {}, 0
 a, k = first, 0
 for _ = 1, runs do
-  local sh = shapes[ARGV[a + 1]]
+  local sh, tickets = shapes[ARGV[a + 1]], ARGV[a + 2]
   local mode, count, extras, quick = sh[1], sh[2], sh[3], sh.quick
-  a = a + 1
-  for _ = 1, sh.size do
-    local ticket = ARGV[a + 1]
-    -- The request's values follow ARGV position at; its i-th hit's key is KEYS[key + i].
-    local at, key = a + 1, k
+  a = a + 2
+  for o = 0, (sh.size - 1) * TICKET, TICKET do
+    -- The request's values follow ARGV position at; its i-th hit's key is KEYS[key + i]; its
+    -- ticket follows o characters of the run's tickets.
+    local at, key = a, k
     a, k = at + extras, k + count
-    -- Its deadline is read only in a call that started late (0: none, and so is a ticket
-    -- without one, or with one that is no number).
-    local deadline = late and tonumber(sub(ticket, (find(ticket, ' ', 1, true) or #ticket) + 1))
+    -- Its deadline is read only in a call that started late (0: none, and so is one that is
+    -- no number).
+    local deadline = late and tonumber(sub(tickets, o + NONCE + 1, o + TICKET))
     if mode == 'r' then
       local stamps = sh.stamp
       for i = 1, count do
-        load(sh, i, at, key, ticket).stamp = ARGV[at + stamps[i]]
+        load(sh, i, at, key, tickets, o).stamp = ARGV[at + stamps[i]]
       end
       -- Last charge first, so two charges of one key are undone in the reverse of their
       -- order.
@@ -231,13 +239,13 @@ for _ = 1, runs do
     elseif quick then
       local take, admitted, remaining, reset, stamp = quick.take
       if take then
-        admitted, remaining, reset, stamp = take(quick, KEYS[key + 1], sh[5], sh[6], ticket)
+        admitted, remaining, reset, stamp = take(quick, KEYS[key + 1], sh[5], sh[6], tickets, o)
       end
       if admitted == nil then
-        local h, twin = load(sh, 1, at, key, ticket), quick.twin
+        local h, twin = load(sh, 1, at, key, tickets, o), quick.twin
         admitted, remaining, reset, stamp = twin.check(quick, h, now)
         if admitted then
-          twin.commit(quick, h, now, ticket)
+          twin.commit(quick, h, now, tickets, o)
         end
       end
       reply[n + 1] = admitted and remaining or -1 - remaining
@@ -257,16 +265,16 @@ for _ = 1, runs do
         local s, cost = sh[j + 1], sh[j + 2]
         local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
         if take and cost > 0 and not leased then
-          admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], ticket)
+          admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], tickets, o)
           took = admitted
         end
         if admitted == nil then
-          local h, twin = load(sh, i, at, key, ticket), s.twin
+          local h, twin = load(sh, i, at, key, tickets, o), s.twin
           admitted, remaining, reset, stamp = twin.check(s, h, now)
           if leased and byte(h.lease) == GIVE then
-            twin.commit(s, h, now, ticket)
+            twin.commit(s, h, now, tickets, o)
           elseif admitted and cost > 0 then
-            twin.commit(s, h, now, ticket)
+            twin.commit(s, h, now, tickets, o)
             took = true
           end
         end
@@ -293,7 +301,7 @@ for _ = 1, runs do
       if charges > 0 and not (mode == 'e'
           or (mode == 'a' and not enforced_refused and (quota_admitted or not quota_seen))) then
         for c = charges, 1, -1 do
-          local h = load(sh, charged[c], at, key, ticket)
+          local h = load(sh, charged[c], at, key, tickets, o)
           h.spec.twin.undo(h.spec, h, now)
         end
       end

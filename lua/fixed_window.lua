@@ -24,11 +24,11 @@ local byte = string.byte
 -- needs none of this: its sweep visits every entry anyway.
 local SPREAD_MS = 60000
 
--- The counter's time to live (ms): to its window's end, then the offset. A ticket holds at
--- least its space; one a hand-made call cut shorter than three characters still expires.
-local function ttl(s, ticket)
-  local a, b, c = byte(ticket, 1, 3)
-  return s.ttl + (a * 7919 + (b or 0) * 104729 + (c or 0) * 1299709) % s.spread
+-- The counter's time to live (ms): to its window's end, then the offset, from the first
+-- three characters of the request's ticket (after `o` characters of `tickets`).
+local function ttl(s, tickets, o)
+  local a, b, c = byte(tickets, o + 1, o + 3)
+  return s.ttl + (a * 7919 + b * 104729 + c * 1299709) % s.spread
 end
 
 -- A busy limit's requests follow one another in a call, on one counter: a charge on the
@@ -59,10 +59,10 @@ local function check(s, h)
   return false, 0, s.reset, s.start
 end
 
-local function commit(s, h, _, ticket)
+local function commit(s, h, _, tickets, o)
   settle()
   if call('INCRBY', h.counter, h.cost_text) == h.cost or every_charge_expires then
-    call('PEXPIRE', h.counter, ttl(s, ticket))
+    call('PEXPIRE', h.counter, ttl(s, tickets, o))
   end
 end
 
@@ -89,7 +89,7 @@ return {
   -- so no INCRBY can overflow. Then the counter INCRBY creates (it counts just this cost) is
   -- admitted, and gets its expiry; a refused one existed before, with its expiry, and gets
   -- its units back.
-  take = function(s, key, cost, cost_text, ticket)
+  take = function(s, key, cost, cost_text, tickets, o)
     if cost > s.limit then
       return
     end
@@ -115,7 +115,7 @@ return {
       return false, 0, s.reset, s.start
     end
     if after == cost or every_charge_expires then
-      call('PEXPIRE', counter, ttl(s, ticket))
+      call('PEXPIRE', counter, ttl(s, tickets, o))
     end
     return true, s.limit - after, s.reset, s.start
   end,

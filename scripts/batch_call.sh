@@ -16,12 +16,12 @@ declare -A SPEC_ARGS=(
 # evalsha_args RULE KEYS PER_CALL [DEADLINE]: the KEYS and ARGV of one call deciding PER_CALL
 # requests of one hit each, as coalescing sends them: Redis time, the earliest deadline, the
 # one spec, then one run of alike requests: its shape (atomic, one hit of spec 1 costing 1, and
-# how many requests it holds), then each request's ticket (nonce and deadline). DEADLINE
-# (default 0: none) stands in for the microseconds on Redis' clock that turnstile writes; far
-# in the future, it is read as text like a real one but never passes. redis-benchmark draws
-# every __rand_int__ afresh.
+# how many requests it holds), then the requests' tickets in one value (per request a nonce of
+# 12 characters, here redis-benchmark's __rand_int__, drawn afresh for each, and a deadline of
+# 16 digits). DEADLINE (default 0: none) stands in for the microseconds on Redis' clock that
+# turnstile writes; far in the future, it is read as text like a real one but never passes.
 evalsha_args() {
-  local rule="$1" keys="$2" per_call="$3" deadline="${4:-0}" key i
+  local rule="$1" keys="$2" per_call="$3" deadline="${4:-0}" key i tickets=""
   if [ "$keys" = 1 ]; then
     key="{bench|$rule=u0|${CALL_ALGO[$rule]}}"
   else
@@ -31,5 +31,6 @@ evalsha_args() {
   for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
   # shellcheck disable=SC2086 # SPEC_ARGS is a word list on purpose
   printf '%s\n' 0 "$deadline" 1 ${SPEC_ARGS[$rule]} 1 "a 1:1*$per_call"
-  for i in $(seq "$per_call"); do printf '%s\n' "n__rand_int__ $deadline"; done
+  for i in $(seq "$per_call"); do tickets+="$(printf '__rand_int__%016d' "$deadline")"; done
+  printf '%s\n' "$tickets"
 }

@@ -637,32 +637,45 @@ async fn mixed_run(b: &RedisBackend) {
 /// well-formed request in front of the flaw is not charged either. A call it can read writes
 /// counters that expire. Each row is one call's KEYS and the ARGV after the spec (fixed
 /// window, 10 per minute): the count of runs of alike requests, then per run its shape (ended
-/// by how many requests it holds), then per request its ticket and extra values
-/// (`lua/batch.lua` has the layout).
+/// by how many requests it holds), its requests' tickets in one value (28 characters each),
+/// then per request its extra values (`lua/batch.lua` has the layout).
 #[test]
 fn a_call_the_script_cannot_read_writes_nothing() {
     /// A case, its KEYS, its runs' values, and a word of the error it gets (None: none).
     type Malformed<'a> = (&'a str, &'a [&'a str], &'a [&'a str], Option<&'a str>);
     let server = RedisServer::start();
     let script = turnstile::backend::redis::batch_source();
-    let good = ["a 1:1*1", "n1 0"];
+    let (t1, t2) = (
+        format!("nonce0000001{:016}", 0),
+        format!("nonce0000002{:016}", 0),
+    );
+    let (both, long) = (format!("{t1}{t2}"), format!("{t2}0"));
+    let no_deadline = format!("nonce0000002{}", "x".repeat(16));
+    let (t2, both, long, no_deadline) = (
+        t2.as_str(),
+        both.as_str(),
+        long.as_str(),
+        no_deadline.as_str(),
+    );
+    let good = ["a 1:1*1", t1.as_str()];
     let two = ["k1", "k2"];
     #[rustfmt::skip]
-    let cases: [Malformed; 14] = [
-        ("well formed", &two, &["2", good[0], good[1], "a 1:1*1", "n2 0"], None),
-        ("one run of two", &two, &["1", "a 1:1*2", "n1 0", "n2 0"], None),
-        ("a nonce of nothing", &two, &["2", good[0], good[1], "a 1:1*1", " 0"], None),
-        ("a ticket without deadline", &two, &["2", good[0], good[1], "a 1:1*1", "n2"], None),
-        ("no such mode", &two, &["2", good[0], good[1], "x 1:1*1", "n2 0"], Some("shaped")),
-        ("trailing text", &two, &["2", good[0], good[1], "a 1:1 junk*1", "n2 0"], Some("shaped")),
-        ("text after the size", &two, &["2", good[0], good[1], "a 1:1*1 junk", "n2 0"], Some("shaped")),
-        ("no size", &two, &["2", good[0], good[1], "a 1:1", "n2 0"], Some("shaped")),
-        ("a run of none", &two, &["2", good[0], good[1], "a 1:1*0"], Some("no request")),
-        ("no such spec", &two, &["2", good[0], good[1], "a 2:1*1", "n2 0"], Some("spec")),
-        ("no ticket", &two, &["2", good[0], good[1], "a 1:1*1"], Some("values")),
-        ("a run longer than its tickets", &two, &["1", "a 1:1*3", "n1 0", "n2 0"], Some("values")),
-        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1*1", "n2 0"], Some("keys")),
-        ("a lease missing", &two, &["2", good[0], good[1], "a 1:1L*1", "n2 0"], Some("values")),
+    let cases: [Malformed; 15] = [
+        ("well formed", &two, &["2", good[0], good[1], "a 1:1*1", t2], None),
+        ("one run of two", &two, &["1", "a 1:1*2", both], None),
+        ("a deadline that is no number", &two, &["2", good[0], good[1], "a 1:1*1", no_deadline], None),
+        ("no such mode", &two, &["2", good[0], good[1], "x 1:1*1", t2], Some("shaped")),
+        ("trailing text", &two, &["2", good[0], good[1], "a 1:1 junk*1", t2], Some("shaped")),
+        ("text after the size", &two, &["2", good[0], good[1], "a 1:1*1 junk", t2], Some("shaped")),
+        ("no size", &two, &["2", good[0], good[1], "a 1:1", t2], Some("shaped")),
+        ("a run of none", &two, &["2", good[0], good[1], "a 1:1*0", ""], Some("no request")),
+        ("no such spec", &two, &["2", good[0], good[1], "a 2:1*1", t2], Some("spec")),
+        ("no tickets", &two, &["2", good[0], good[1], "a 1:1*1"], Some("tickets")),
+        ("a run longer than its tickets", &two, &["1", "a 1:1*3", both], Some("tickets")),
+        ("a ticket too long", &two, &["2", good[0], good[1], "a 1:1*1", long], Some("tickets")),
+        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1*1", t2], Some("keys")),
+        ("a value too many", &two, &["2", good[0], good[1], "a 1:1*1", t2, "+r"], Some("values")),
+        ("a lease missing", &two, &["2", good[0], good[1], "a 1:1L*1", t2], Some("values")),
     ];
     for (case, keys, runs, error) in cases {
         server.query::<()>(&["FLUSHALL"]);
@@ -707,7 +720,9 @@ fn a_call_started_late_decides_only_the_requests_still_awaited() {
     let args = [
         "EVAL", script, "3", "k1", "k2", "k3",
         now, "5", "1", "fixed_window", "10", "60", "10", "e",
-        "1", "a 1:1*3", "n1 5", "n2 0", "n3 2000000000000000",
+        "1", "a 1:1*3",
+        // Three tickets: a nonce, then a deadline of 16 digits (0: none).
+        "nonce00000010000000000000005nonce00000020000000000000000nonce00000032000000000000000",
     ];
     let reply: Vec<Option<i64>> = server.query(&args);
     let decided: Vec<Option<i64>> = [reply[1], reply[3]].to_vec();

@@ -100,15 +100,19 @@ fn role_letter(role: Role) -> &'static str {
     }
 }
 
+/// The latest deadline a ticket holds: 16 digits of microseconds (the year 2286).
+const MAX_DEADLINE: i64 = 9_999_999_999_999_999;
+
 /// A request's nonce: it names the request's sliding-window entries, so a refund removes
-/// exactly them. Alphanumerics only: a space ends it in the request's ticket.
+/// exactly them, and spreads its counters' expiries. Always 12 alphanumerics: the script
+/// finds each request's ticket at a fixed place among its run's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Nonce(String);
 
 impl Nonce {
-    /// A fresh one per request: 10 alphanumerics (~59 bits) keep the log entries short.
+    /// A fresh one per request: 12 alphanumerics (~71 bits) keep the log entries short.
     pub(super) fn new() -> Nonce {
-        Nonce((0..10).map(|_| fastrand::alphanumeric()).collect())
+        Nonce((0..12).map(|_| fastrand::alphanumeric()).collect())
     }
 }
 
@@ -240,7 +244,8 @@ impl<'a> Call<'a> {
                 .arg(spec.role);
         }
         // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
-        // how many requests it holds, then each request's ticket, leases and (refund) stamps.
+        // how many requests it holds, then its requests' tickets in one value, then each
+        // request's leases and (refund) stamps.
         let mut runs: Vec<(String, &[(&Part, i64)])> = Vec::new();
         let (mut shape, mut start) = (String::new(), 0);
         let mut spec_of = self.spec_of.iter();
@@ -263,14 +268,21 @@ impl<'a> Call<'a> {
             }
         }
         cmd.arg(runs.len());
-        let mut ticket = String::new();
+        let mut tickets = String::new();
         for (mut shape, parts) in runs {
             let _ = write!(shape, "*{}", parts.len());
             cmd.arg(&shape);
-            for (part, deadline) in parts {
-                ticket.clear();
-                let _ = write!(ticket, "{} {deadline}", part.nonce.0);
-                cmd.arg(&ticket);
+            tickets.clear();
+            for &(part, deadline) in parts {
+                let _ = write!(
+                    tickets,
+                    "{}{:016}",
+                    part.nonce.0,
+                    deadline.clamp(0, MAX_DEADLINE)
+                );
+            }
+            cmd.arg(&tickets);
+            for (part, _) in parts {
                 for hit in &part.hits {
                     if let Some(lease) = &hit.lease {
                         cmd.arg(lease);
@@ -410,17 +422,17 @@ mod tests {
     }
 
     #[test]
-    fn a_call_sends_each_spec_and_each_run_shape_once_then_every_request_ticket() {
+    fn a_call_sends_each_spec_and_each_run_shape_once_then_its_requests_tickets_together() {
         let minute = Limit::fixed(10, Unit::Minute);
         let leased = Limit {
             algorithm: Kind::Concurrency,
             ..minute
         };
         let nonce = |text: &str| Nonce(text.into());
-        let mut first = Part::new(Mode::Atomic, nonce("n1"));
+        let mut first = Part::new(Mode::Atomic, nonce("nonce0000001"));
         push(&mut first, "a", minute, None, 1);
         push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
-        let mut second = Part::new(Mode::Refund, nonce("n2"));
+        let mut second = Part::new(Mode::Refund, nonce("nonce0000002"));
         push(&mut second, "c", minute, None, 0);
         push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
         let call = Call::new(
@@ -432,11 +444,12 @@ mod tests {
             // Redis time, the earliest deadline, two specs.
             "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
             // Three runs of requests alike: the shape (mode, then spec:cost per hit, L for a
-            // lease, then how many requests in a row share it), then per request its ticket
-            // (nonce and deadline), its leases and, in a refund, its stamps.
-            "3|a 1:1 2:1L*2|n1 0|+r|n1 4|+r",
-            "r 1:0 2:2L*1|n2 5|7|-r|7",
-            "a 1:1 2:1L*1|n1 3|+r",
+            // lease, then how many requests in a row share it), then the requests' tickets
+            // (nonce and deadline, 28 characters each), then per request its leases and, in
+            // a refund, its stamps.
+            "3|a 1:1 2:1L*2|nonce00000010000000000000000nonce00000010000000000000004|+r|+r",
+            "r 1:0 2:2L*1|nonce00000020000000000000005|7|-r|7",
+            "a 1:1 2:1L*1|nonce00000010000000000000003|+r",
         ];
         let expected: Vec<&str> = expected
             .iter()

@@ -8,8 +8,9 @@
 //! every verdict is four values: admitted, remaining, reset (us) and stamp.
 //! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
 //! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
-//! back in a later call (`commit` is also given the request's ticket, whose first characters
-//! are random). An optional `take(s, key, cost, cost_text, ticket)` checks a hit that costs
+//! back in a later call (`commit` is also given its run's tickets and `o`, where the
+//! request's own starts: its first characters are random). An optional
+//! `take(s, key, cost, cost_text, tickets, o)` checks a hit that costs
 //! something and holds no lease, and charges it if admitted, in fewer commands than check
 //! and commit; it gets the hit's values as arguments (no hit table is filled for it), may
 //! decline a hit by returning nothing (the driver then checks and commits it), and leaves
