@@ -94,7 +94,7 @@ impl Job {
                 Charging::Nothing => Mode::Check,
                 Charging::Atomic | Charging::PerDescriptor => Mode::Each,
             };
-            let mut part = Part::new(mode, self.nonce.clone());
+            let mut part = Part::new(mode, self.nonce);
             for &i in group {
                 let (key, hit) = &self.hits[i];
                 part.push(key.clone(), hit, hit.hits, None, self.layout());
@@ -135,7 +135,7 @@ impl Job {
             .iter()
             .filter(|group| group.iter().any(|&i| charged(i)))
             .map(|group| {
-                let mut part = Part::new(Mode::Refund, self.nonce.clone());
+                let mut part = Part::new(Mode::Refund, self.nonce);
                 for &i in group {
                     let (key, hit) = &self.hits[i];
                     let cost = if charged(i) { hit.hits } else { 0 };

@@ -106,13 +106,14 @@ const MAX_DEADLINE: i64 = 9_999_999_999_999_999;
 /// A request's nonce: it names the request's sliding-window entries, so a refund removes
 /// exactly them, and spreads its counters' expiries. Always 12 alphanumerics: the script
 /// finds each request's ticket at a fixed place among its run's.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Nonce(String);
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Nonce([u8; 12]);
 
 impl Nonce {
     /// A fresh one per request: 12 alphanumerics (~71 bits) keep the log entries short.
     pub(super) fn new() -> Nonce {
-        Nonce((0..12).map(|_| fastrand::alphanumeric()).collect())
+        // ASCII, so each character is one byte.
+        Nonce(std::array::from_fn(|_| fastrand::alphanumeric() as u8))
     }
 }
 
@@ -274,12 +275,8 @@ impl<'a> Call<'a> {
             cmd.arg(&shape);
             tickets.clear();
             for &(part, deadline) in parts {
-                let _ = write!(
-                    tickets,
-                    "{}{:016}",
-                    part.nonce.0,
-                    deadline.clamp(0, MAX_DEADLINE)
-                );
+                tickets.extend(part.nonce.0.map(char::from));
+                let _ = write!(tickets, "{:016}", deadline.clamp(0, MAX_DEADLINE));
             }
             cmd.arg(&tickets);
             for (part, _) in parts {
@@ -428,11 +425,10 @@ mod tests {
             algorithm: Kind::Concurrency,
             ..minute
         };
-        let nonce = |text: &str| Nonce(text.into());
-        let mut first = Part::new(Mode::Atomic, nonce("nonce0000001"));
+        let mut first = Part::new(Mode::Atomic, Nonce(*b"nonce0000001"));
         push(&mut first, "a", minute, None, 1);
         push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
-        let mut second = Part::new(Mode::Refund, nonce("nonce0000002"));
+        let mut second = Part::new(Mode::Refund, Nonce(*b"nonce0000002"));
         push(&mut second, "c", minute, None, 0);
         push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
         let call = Call::new(
