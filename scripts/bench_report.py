@@ -186,6 +186,20 @@ def main(argv):
         """The before/after runs of one build on one backend, under one of section f's loads."""
         return runs_under(f"{load}/{backend}/{side}/")
 
+    def round_cells(runs, backend, process):
+        """A table of rounds' cells, each round's figure in turn: calls/s, CPU per call of
+        `process`, Redis's (on Redis), p99; then the errors of all rounds."""
+        def each(f):
+            return " · ".join(f(r) for r in runs)
+
+        return [
+            each(lambda r: fmt_int(r["rps"])),
+            each(lambda r: f"{cpu_of(r, process):.1f}"),
+            each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–",
+            each(lambda r: f"{r['latency_ms']['p99']:.2f}"),
+            str(sum(r["errors"] for r in runs)),
+        ]
+
     if ab:
         table("Before/after, and the issue's load (this run: the baseline binaries and this build in turn, fixed window, 64 in flight)", "| backend | load | build | calls/s (each round) | CPU µs/call turnstile (each round) | Redis CPU µs/call | p99 ms | errors |", "|---|---|---|---|---|---|---|---:|")
         # Builds in the order they ran.
@@ -196,18 +210,9 @@ def main(argv):
             runs = rounds(backend, side, load)
             if not runs:
                 continue
-            def each(f):
-                return " · ".join(f(r) for r in runs)
-
-            ts_cpu = each(lambda r: f"{cpu_of(r, 'turnstile'):.1f}")
-            redis_cpu = each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–"
-            p99 = each(lambda r: f"{r['latency_ms']['p99']:.2f}")
-            errors = sum(r["errors"] for r in runs)
             build = {"issue": "issue 15's \"today\" (4fa4128)"}.get(side, side)
-            w(
-                f"| {backend} | {described} | {build} | {each(lambda r: fmt_int(r['rps']))} | {ts_cpu} | "
-                f"{redis_cpu} | {p99} | {errors} |"
-            )
+            cells = [backend, described, build, *round_cells(runs, backend, "turnstile")]
+            w("| " + " | ".join(cells) + " |")
 
     peer = [r for r in rows if r["name"].startswith("peer/")]
 
@@ -223,17 +228,9 @@ def main(argv):
                     runs = peer_rounds(backend, side, keys)
                     if not runs:
                         continue
-
-                    def each(f):
-                        return " · ".join(f(r) for r in runs)
-
-                    calls = each(lambda r: fmt_int(r["rps"]))
-                    server_cpu = each(lambda r: f"{cpu_of(r, 'server'):.1f}")
-                    redis_cpu = each(lambda r: f"{cpu_of(r, 'redis'):.1f}") if backend == "redis" else "–"
-                    p99 = each(lambda r: f"{r['latency_ms']['p99']:.2f}")
-                    errors = sum(r["errors"] for r in runs)
                     server = {"current": "turnstile (this build)"}.get(side, side)
-                    w(f"| {backend} | {fmt_int(keys)} | {server} | {calls} | {server_cpu} | {redis_cpu} | {p99} | {errors} |")
+                    cells = [backend, fmt_int(keys), server, *round_cells(runs, backend, "server")]
+                    w("| " + " | ".join(cells) + " |")
 
     rollover = [r for r in rows if r["name"].startswith("rollover/")]
     if rollover:
