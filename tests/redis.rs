@@ -1964,6 +1964,47 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     assert_eq!(remaining, [0, 10, 9, 9]);
 }
 
+/// A thread serving gRPC runs the requests it read together one after another; the first to
+/// find its lane idle does not start a call alone: the call starts once the thread has run
+/// the others, and carries them all, though a second call slot is free (two connections).
+/// Here the second request's task holds the thread for 100 ms first, as a long read would:
+/// a call started at once would have carried the first request alone, and the second gone
+/// in a call of its own.
+#[tokio::test(flavor = "current_thread")]
+async fn requests_a_serving_thread_runs_together_share_one_call() {
+    let server = RedisServer::start();
+    let b = RedisBackend::connect(&RedisConfig {
+        connections: 2,
+        ..config(vec![server.url()], RedisMode::Single, "burst:")
+    })
+    .await
+    .unwrap();
+    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
+
+    let calls_before = server.script_calls();
+    let first = tokio::spawn({
+        let b = b.clone();
+        async move { one(&b, &hit("first", ten_an_hour, 1)).await }
+    });
+    let second = tokio::spawn({
+        let b = b.clone();
+        async move {
+            std::thread::sleep(Duration::from_millis(100));
+            one(&b, &hit("second", ten_an_hour, 2)).await
+        }
+    });
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert!(first.admitted && first.remaining == 9, "{first:?}");
+    assert!(second.admitted && second.remaining == 8, "{second:?}");
+    assert_eq!(
+        server.script_calls() - calls_before,
+        1,
+        "two requests, one call"
+    );
+}
+
 /// The Redis timeout bounds a call from when it is written; the time a request queues behind
 /// other calls counts only against its caller's deadline. One connection, Redis frozen: a
 /// call in flight, then a request of 256 hits (a call of its own), then a small one. Each

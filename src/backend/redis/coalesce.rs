@@ -6,9 +6,10 @@
 //! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
 //! share a slot) has at most `connections` calls in flight; requests that arrive meanwhile
 //! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
-//! idle lane sends at once: nobody waits for others to arrive (its call takes the queue when
-//! the I/O thread runs it, with whatever queued while that thread woke). A batch of 1 sends
-//! every request at once in a call of its own, as many in flight as there are requests.
+//! idle lane waits for no timer: its call starts once the thread serving gRPC that queued its
+//! first request has run the requests it read with it (`start`), and takes the queue when the
+//! I/O thread runs it. A batch of 1 sends every request at once in a call of its own, as many
+//! in flight as there are requests.
 //!
 //! Calls run on a runtime of their own (one thread, `io`) that also drives the connections,
 //! so a reply is read, and a call timed, when Redis answers, however far behind the threads
@@ -29,7 +30,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::{Handle, Runtime, RuntimeFlavor};
 use tokio::sync::oneshot;
 
 use super::Shared;
@@ -166,21 +167,21 @@ pub(super) async fn call(
         mailbox: Mailbox::here(),
         retried: false,
     };
-    let start = {
+    let slot_free = {
         let mut queue = lock(&lane.queue);
         if queue.waiting.len() >= MAX_QUEUED || queue.hits + hits > MAX_QUEUED_HITS {
             return Err(BackendError::Overloaded);
         }
         queue.waiting.push_back(request);
         queue.hits += hits;
-        let start = queue.in_flight < lanes.in_flight;
-        if start {
+        let free = queue.in_flight < lanes.in_flight;
+        if free {
             queue.in_flight += 1;
         }
-        start
+        free
     };
-    if start {
-        io().spawn(drive(Arc::clone(shared), lane));
+    if slot_free {
+        start(shared, lane);
     }
     let lost = || Err(BackendError::Unavailable("a Redis call was lost".into()));
     if let Ok(answer) = tokio::time::timeout_at(until.into(), &mut reply).await {
@@ -201,6 +202,35 @@ pub(super) async fn call(
                 // The I/O runtime did not time its own call: it could not run.
                 Err(_) => Err(BackendError::Late),
             }
+        }
+    }
+}
+
+/// Start a call in `lane` (its call slot taken): on a thread serving gRPC (a current-thread
+/// runtime), once that thread has run the tasks it already had (the rest of the requests it
+/// read with this one), elsewhere at once. Started at once, a call carried the request that
+/// found its lane idle alone, while that thread was still running the ones read with it,
+/// which then waited for that call's round trip: at 64 calls in flight 60 % of calls were of
+/// one request. The wait is for no timer, only for work already on the thread, which the
+/// call's answers would have queued behind anyway.
+fn start(shared: &Arc<Shared>, lane: Arc<Lane>) {
+    let start = Start(Some((Arc::clone(shared), lane)));
+    match Handle::try_current() {
+        // Run, or dropped unrun when its runtime shuts down, the task drops `start`.
+        Ok(here) if here.runtime_flavor() == RuntimeFlavor::CurrentThread => {
+            here.spawn(async move { drop(start) });
+        }
+        _ => drop(start),
+    }
+}
+
+/// A lane's call to start on the I/O thread when this is dropped, however that happens.
+struct Start(Option<(Arc<Shared>, Arc<Lane>)>);
+
+impl Drop for Start {
+    fn drop(&mut self) {
+        if let Some((shared, lane)) = self.0.take() {
+            io().spawn(drive(shared, lane));
         }
     }
 }
