@@ -80,6 +80,17 @@ async fn eval(backend: &impl Backend, hits: &[Hit], charging: Charging) -> Vec<O
     backend.evaluate(hits, charging).await.expect("evaluate")
 }
 
+/// A backend on one server over `connections` connections (each a call slot of its lane),
+/// its keys under `prefix`.
+async fn over_connections(server: &RedisServer, connections: usize, prefix: &str) -> RedisBackend {
+    RedisBackend::connect(&RedisConfig {
+        connections,
+        ..config(vec![server.url()], RedisMode::Single, prefix)
+    })
+    .await
+    .unwrap()
+}
+
 async fn one(backend: &impl Backend, hit: &Hit) -> Outcome {
     eval(backend, std::slice::from_ref(hit), Charging::Atomic).await[0]
 }
@@ -1901,12 +1912,7 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
 #[tokio::test]
 async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independently() {
     let server = RedisServer::start();
-    let b = RedisBackend::connect(&RedisConfig {
-        connections: 1,
-        ..config(vec![server.url()], RedisMode::Single, "co:")
-    })
-    .await
-    .unwrap();
+    let b = over_connections(&server, 1, "co:").await;
     let one_an_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
     away_from_boundary(HOUR, Duration::from_secs(10)).await;
@@ -1973,12 +1979,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
 #[tokio::test(flavor = "current_thread")]
 async fn requests_a_serving_thread_runs_together_share_one_call() {
     let server = RedisServer::start();
-    let b = RedisBackend::connect(&RedisConfig {
-        connections: 2,
-        ..config(vec![server.url()], RedisMode::Single, "burst:")
-    })
-    .await
-    .unwrap();
+    let b = over_connections(&server, 2, "burst:").await;
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
     away_from_boundary(HOUR, Duration::from_secs(10)).await;
     assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);

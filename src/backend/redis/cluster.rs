@@ -73,12 +73,18 @@ impl Job {
         }
     }
 
-    /// Run the job in its own task; the caller waits the call timeout, once more if this
-    /// process's own lag explains the wait (as a single call's caller does).
+    /// Run the job in its own task (a caller that gives up does not cut its refund short).
+    /// The caller waits as a single call's does: to its deadline while the job's calls queue
+    /// (each written call is bounded on its own, `coalesce::call`), at least the call
+    /// timeout, and once more if this process's own lag explains the wait. Bounded by the
+    /// call timeout alone, a request queued behind a pause of turnstile itself failed.
     pub(super) async fn evaluate(self) -> Result<Vec<Outcome>, BackendError> {
         let shared = Arc::clone(&self.shared);
+        let wait = self.deadline.map_or(shared.call_timeout, |deadline| {
+            deadline.remaining().max(shared.call_timeout)
+        });
         let task = tokio::spawn(self.run());
-        match shared.within(shared.call_timeout, task).await {
+        match shared.within(wait, task).await {
             Ok(Ok(result)) => result,
             Ok(Err(err)) => Err(BackendError::Unavailable(format!(
                 "a Redis Cluster request failed: {err}"
