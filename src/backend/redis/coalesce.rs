@@ -30,11 +30,11 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
-use tokio::runtime::{Handle, Runtime, RuntimeFlavor};
+use tokio::runtime::{Handle, Runtime};
 use tokio::sync::oneshot;
 
 use super::Shared;
-use super::mailbox::{Mailbox, Post, RequestAnswer};
+use super::mailbox::{Mailbox, Post, RequestAnswer, serving_thread};
 use super::script::{self, Call, Part, Reply};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
@@ -215,12 +215,12 @@ pub(super) async fn call(
 /// call's answers would have queued behind anyway.
 fn start(shared: &Arc<Shared>, lane: Arc<Lane>) {
     let start = Start(Some((Arc::clone(shared), lane)));
-    match Handle::try_current() {
+    match serving_thread() {
         // Run, or dropped unrun when its runtime shuts down, the task drops `start`.
-        Ok(here) if here.runtime_flavor() == RuntimeFlavor::CurrentThread => {
+        Some(here) => {
             here.spawn(async move { drop(start) });
         }
-        _ => drop(start),
+        None => drop(start),
     }
 }
 

@@ -41,14 +41,19 @@ thread_local! {
     static MAILBOX: RefCell<Option<Arc<Mailbox>>> = const { RefCell::new(None) };
 }
 
+/// The runtime of the thread this runs on, if that thread is its runtime's only one (a
+/// current-thread runtime: a thread serving gRPC).
+pub(super) fn serving_thread() -> Option<Handle> {
+    Handle::try_current()
+        .ok()
+        .filter(|handle| handle.runtime_flavor() == RuntimeFlavor::CurrentThread)
+}
+
 impl Mailbox {
     /// The mailbox of the thread this runs on, made (with the task that empties it) on first
     /// use; None off a current-thread runtime.
     pub(super) fn here() -> Option<Arc<Mailbox>> {
-        let handle = Handle::try_current().ok()?;
-        if handle.runtime_flavor() != RuntimeFlavor::CurrentThread {
-            return None;
-        }
+        let handle = serving_thread()?;
         MAILBOX.with(|here| {
             let mut here = here.borrow_mut();
             if let Some(mailbox) = here.as_ref()

@@ -9,16 +9,15 @@
 //! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
 //! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
 //! back in a later call (`commit` is also given its run's tickets and `o`, where the
-//! request's own starts: its first characters are random). An optional
-//! `take(s, key, cost, cost_text, tickets, o)` checks a hit that costs
-//! something and holds no lease, and charges it if admitted, in fewer commands than check
-//! and commit; it gets the hit's values as arguments (no hit table is filled for it), may
-//! decline a hit by returning nothing (the driver then checks and commits it), and leaves
-//! nothing for `undo`, which gets the hit in `h` like the others. An optional `finish()` runs
-//! once at the end of every call that made the twin: a write the twin deferred within the
-//! call (the fixed window pays a run of charges on one counter in one `INCRBY`) is made by
-//! then. A twin keeps in `s` and `h` what its own functions need later; the driver never
-//! reads it.
+//! request's own starts: its first characters are random). An optional `take(s, key, cost,
+//! cost_text, tickets, o)` checks a hit that costs something and holds no lease, and
+//! charges it if admitted, in fewer commands than check and commit; it gets the hit's
+//! values as arguments (no hit table is filled for it), may decline a hit by returning
+//! nothing (the driver then checks and commits it), and leaves nothing for `undo`, which
+//! gets the hit in `h` like the others. An optional `finish()` runs once at the end of
+//! every call that made the twin: a write the twin deferred within the call (the fixed
+//! window pays a run of charges on one counter in one `INCRBY`) is made by then. A twin
+//! keeps in `s` and `h` what its own functions need later; the driver never reads it.
 //!
 //! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
 //! and `algorithm` function exist (so a twin cannot register itself, under its own name or
