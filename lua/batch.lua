@@ -74,6 +74,15 @@ local function number(text)
   return value
 end
 
+-- Twins an earlier call made (a function library keeps them: twins.rs) forget what it left
+-- (`begin`), even if an error ended it. A script makes them afresh: none here yet.
+for _, twin in pairs(ALGORITHMS) do
+  local begin = twin.begin
+  if begin then
+    begin()
+  end
+end
+
 -- The first two values are compared as text before any is parsed: parsing costs more.
 local now
 if ARGV[1] == '0' then

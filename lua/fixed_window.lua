@@ -138,4 +138,10 @@ return {
   end,
 
   finish = settle,
+
+  -- A call that ended in an error paid nothing it owed, and never will: the next one starts
+  -- from the counters.
+  begin = function()
+    last, count, owed = nil, 0, 0
+  end,
 }

@@ -5,9 +5,9 @@
 #      OVER_LIMIT);
 #   a2. Redis coalescing A/B: 64 in flight with --redis-batch 1 and the default, then 256 and
 #      512 in flight counting errors;
-#   b. the Redis ceiling: redis-benchmark running the same EVALSHA of the real batch script
-#      (`turnstile redis-script`) against the same Redis, one request per call, pipelined like
-#      turnstile's multiplexed connections;
+#   b. the Redis ceiling: redis-benchmark running the same FCALL of the real batch script's
+#      function (`turnstile redis-script --library`) against the same Redis, one request per
+#      call, pipelined like turnstile's multiplexed connections;
 #   c. p99 at 50% of the peak rate, open loop (latency from each call's due time);
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
@@ -127,12 +127,14 @@ for _ in $(seq 100); do rcli PING >/dev/null 2>&1 && break; sleep 0.05; done
 rcli PING >/dev/null || { cat "$TMP/redis.log" >&2; exit 1; }
 log "redis-server $(redis-server --version | awk '{print $3}') on 127.0.0.1:$REDIS_PORT (pid $REDIS_PID)"
 
-# The batch script from the binary, exactly as turnstile runs it (its SHA-1 on stderr).
-# Loading it here also checks that turnstile then finds it by hash.
-"$BIN" redis-script >"$TMP/batch.lua" 2>"$TMP/batch.sha1"
-SHA="$(rcli -x SCRIPT LOAD <"$TMP/batch.lua")"
-[ "$SHA" = "$(tr -d '[:space:]' <"$TMP/batch.sha1")" ] ||
-  { echo "SCRIPT LOAD gave $SHA, turnstile calls $(cat "$TMP/batch.sha1")" >&2; exit 1; }
+# The batch script from the binary, exactly as turnstile runs it on Redis 7: its function
+# library (the function's name on stderr). Loading it here also checks that turnstile then
+# finds it by that name.
+"$BIN" redis-script --library >"$TMP/library.lua" 2>"$TMP/function"
+FUNCTION="$(tr -d '[:space:]' <"$TMP/function")"
+loaded="$(rcli -x FUNCTION LOAD <"$TMP/library.lua")"
+[ "$loaded" = "$FUNCTION" ] ||
+  { echo "FUNCTION LOAD gave $loaded, turnstile calls $FUNCTION" >&2; exit 1; }
 
 # ---------------------------------------------------------------------------------------
 # Rules. Limits are high enough that answers are real admissions (state read and written),
@@ -290,22 +292,22 @@ for batch in 1 default pool1; do
 done
 
 # ---------------------------------------------------------------------------------------
-# b. The ceiling: the same EVALSHA from redis-benchmark, same Redis, same key shapes.
-log "Redis ceiling: redis-benchmark EVALSHA, $REDIS_POOL connections x pipeline $PIPELINE"
+# b. The ceiling: the same FCALL from redis-benchmark, same Redis, same key shapes.
+log "Redis ceiling: redis-benchmark FCALL, $REDIS_POOL connections x pipeline $PIPELINE"
 ceiling() { # RULE KEYS REQUESTS [PER_CALL]: calls/s
   local rule="$1" keys="$2" n="$3" per_call="${4:-1}" range args
   range="$([ "$keys" = 1 ] && echo 1000000000 || echo "$keys")"
   mapfile -t args < <(evalsha_args "$rule" "$keys" "$per_call")
   redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -c "$REDIS_POOL" -P "$PIPELINE" -n "$n" \
-    -r "$range" --csv EVALSHA "$SHA" "${args[@]}" |
+    -r "$range" --csv FCALL "$FUNCTION" "${args[@]}" |
     tail -1 | cut -d, -f2 | tr -d '"'
 }
 # The call must be one the script decides, not an error redis-benchmark would count as fast:
 # two requests decided (each the hit's remaining and reset) and the time, 5 values.
 mapfile -t probe_args < <(evalsha_args fw 1 2)
-probe="$(rcli EVALSHA "$SHA" "${probe_args[@]}")"
+probe="$(rcli FCALL "$FUNCTION" "${probe_args[@]}")"
 [ "$(grep -c . <<<"$probe")" = 5 ] && ! grep -q ERR <<<"$probe" ||
-  { echo "the ceiling's EVALSHA does not decide:" >&2; echo "$probe" >&2; exit 1; }
+  { echo "the ceiling's FCALL does not decide:" >&2; echo "$probe" >&2; exit 1; }
 target_secs=$([ "$QUICK" = 1 ] && echo 2 || echo 4)
 for rule in fw sw tb; do
   for keys in 1 "$BIG"; do

@@ -32,7 +32,15 @@ pub enum Command {
     Explain(ExplainArgs),
     /// Print the Redis batch script every decision runs (for SCRIPT LOAD, or a benchmark);
     /// its SHA-1, the hash turnstile calls it by, goes to stderr.
-    RedisScript,
+    RedisScript(RedisScriptArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RedisScriptArgs {
+    /// Print it as the function library turnstile loads on Redis 7 (for FUNCTION LOAD);
+    /// its function's name, the one turnstile calls (FCALL), goes to stderr.
+    #[arg(long)]
+    pub library: bool,
 }
 
 #[derive(Debug, Args)]

@@ -35,10 +35,16 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check(&args),
         Command::Explain(args) => turnstile::explain::main(&args),
-        Command::RedisScript => {
-            let source = turnstile::backend::redis::batch_source();
-            print!("{source}");
-            eprintln!("{}", sha1_smol::Sha1::from(source).digest());
+        Command::RedisScript(args) => {
+            if args.library {
+                let (library, function) = turnstile::backend::redis::batch_library();
+                print!("{library}");
+                eprintln!("{function}");
+            } else {
+                let source = turnstile::backend::redis::batch_source();
+                print!("{source}");
+                eprintln!("{}", sha1_smol::Sha1::from(source).digest());
+            }
             ExitCode::SUCCESS
         }
         Command::Serve(args) => {

@@ -286,7 +286,7 @@ enum Fault {
     Freeze,
     /// Killed and started again at once, without persistence: every count is lost.
     RestartEmpty,
-    /// SCRIPT FLUSH, several times, under load.
+    /// SCRIPT FLUSH and FUNCTION FLUSH, several times, under load.
     ScriptFlush,
     /// The Cluster master owning the load's slot is killed; its replica takes over.
     Failover,
@@ -431,8 +431,10 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
         Fault::ScriptFlush => {
             for _ in 0..5 {
                 let server = scenario.store.single();
-                let flushed: String = block_in_place(|| server.query(&["SCRIPT", "FLUSH"]));
-                assert_eq!(flushed, "OK");
+                for cache in ["SCRIPT", "FUNCTION"] {
+                    let flushed: String = block_in_place(|| server.query(&[cache, "FLUSH"]));
+                    assert_eq!(flushed, "OK");
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
@@ -750,8 +752,9 @@ const FAULTS: [(Fault, Expect); 5] = [
             kept: false,
         },
     ),
-    // SCRIPT FLUSH five times under load: the script is sent again and no request fails
-    // over (but by waiting out the Redis timeout, on a machine too busy to re-send it in time).
+    // SCRIPT FLUSH and FUNCTION FLUSH five times under load: the function library is loaded
+    // again and no request fails over (but by waiting out the Redis timeout, on a machine too
+    // busy to load it again in time).
     (
         Fault::ScriptFlush,
         Expect {

@@ -156,11 +156,17 @@ fn slot_number(cluster_node: &RedisServer, key: &str) -> u16 {
     cluster_node.query(&["CLUSTER", "KEYSLOT", key])
 }
 
-fn cached_scripts(server: &RedisServer) -> u64 {
+/// The caches a server may run the batch script from: turnstile uses the function library
+/// where the server has functions, the script cache where not.
+const SCRIPTS: &str = "number_of_cached_scripts";
+const LIBRARIES: &str = "number_of_libraries";
+
+/// How many entries of a cache (`SCRIPTS`, `LIBRARIES`) the server holds.
+fn cached(server: &RedisServer, field: &str) -> u64 {
     let info: String = server.query(&["INFO", "memory"]);
     info.lines()
-        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
-        .expect("number_of_cached_scripts in INFO memory")
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("{field} in INFO memory"))
         .trim()
         .parse()
         .expect("a number")
@@ -837,44 +843,79 @@ async fn cluster_keys_expire_and_share_their_limits_slot() {
 
 // ---- resilience ----------------------------------------------------------------------------
 
-/// Requests while the script cache is flushed every 10 of them: none may fail.
-async fn survive_script_flushes(b: &RedisBackend, servers: &[&RedisServer], key: &str) {
-    let k = hit(key, limit(Kind::SlidingWindow, 1000, Unit::Minute), 1);
-    let other = hit(
-        &format!("{key}-2"),
-        limit(Kind::FixedWindow, 1000, Unit::Minute),
-        1,
-    );
+/// Requests while the server's script and function caches are flushed every 10 of them: none
+/// may fail, and the batch script is back in the cache turnstile uses (`used`) after.
+async fn survive_cache_flushes(b: &RedisBackend, servers: &[&RedisServer], used: &str) {
+    let k = hit("k", limit(Kind::SlidingWindow, 1000, Unit::Minute), 1);
+    let other = hit("k-2", limit(Kind::FixedWindow, 1000, Unit::Minute), 1);
     for n in 0..60 {
         if n % 10 == 0 {
             for server in servers {
-                let _: () = server.query(&["SCRIPT", "FLUSH"]);
-                assert_eq!(cached_scripts(server), 0);
+                for (cache, field) in [("SCRIPT", SCRIPTS), ("FUNCTION", LIBRARIES)] {
+                    let _: () = server.query(&[cache, "FLUSH"]);
+                    assert_eq!(cached(server, field), 0);
+                }
             }
         }
         let outcomes = b
             .evaluate(&[k.clone(), other.clone()], Charging::Atomic)
             .await
-            .unwrap_or_else(|e| panic!("request {n} failed after SCRIPT FLUSH: {e}"));
+            .unwrap_or_else(|e| panic!("request {n} failed after a flush: {e}"));
         assert_eq!(outcomes[0].remaining, 999 - n, "request {n}");
     }
     assert!(
-        servers.iter().any(|s| cached_scripts(s) > 0),
-        "the script was reloaded"
+        servers.iter().any(|s| cached(s, used) > 0),
+        "the batch script is back in {used}"
     );
 }
 
-/// Rows: one server, and a Cluster of its own (on the shared one, other tests would reload
-/// the script between a flush and the request that must find it gone).
+/// Rows: one server, which runs the batch script as a function; one without functions (as
+/// before Redis 7: `FCALL` renamed away), which runs it by hash; and a Cluster of its own (on
+/// the shared one, other tests would load the script between a flush and the request that
+/// must find it gone).
 #[tokio::test]
-async fn a_flushed_script_cache_fails_no_request() {
+async fn a_flushed_script_or_function_cache_fails_no_request() {
     let server = RedisServer::start();
-    let b = single(&server, "fl:").await;
-    survive_script_flushes(&b, &[&server], "k").await;
+    survive_cache_flushes(&single(&server, "fl:").await, &[&server], LIBRARIES).await;
+    let old = RedisServer::start_with("rename-command FCALL \"\"");
+    survive_cache_flushes(&single(&old, "fl:").await, &[&old], SCRIPTS).await;
+    assert_eq!(old.calls(&["fcall"]), 0);
     let cluster = RedisCluster::start(3);
     let b = clustered(&cluster, "cfl:").await;
     let nodes: Vec<&RedisServer> = cluster.nodes.iter().collect();
-    survive_script_flushes(&b, &nodes, "k").await;
+    survive_cache_flushes(&b, &nodes, LIBRARIES).await;
+}
+
+/// A function library keeps the twins between calls, and what a call leaves in them: the fixed
+/// window remembers the counter it last charged, to charge it again without reading it. A
+/// call that an error ends (a counter of the wrong type) must leave nothing to the next, which
+/// reads the counter afresh: here another instance has counted it meanwhile.
+#[tokio::test]
+async fn a_call_an_error_ended_leaves_nothing_to_the_next() {
+    let server = RedisServer::start();
+    let b = single(&server, "err:").await;
+    let per_hour = limit(Kind::FixedWindow, 100, Unit::Hour);
+    let (k, w) = (hit("k", per_hour, 1), hit("w", per_hour, 1));
+    assert_eq!(one(&b, &k).await.remaining, 99);
+    assert_eq!(one(&b, &w).await.remaining, 99);
+    let counter = |name: &str| {
+        let found: Vec<String> = server.query(&["KEYS", &format!("err:{{{name}}}:*")]);
+        assert_eq!(found.len(), 1, "{name}'s counter: {found:?}");
+        found[0].clone()
+    };
+    let (kc, wc) = (counter("k"), counter("w"));
+    let _: () = server.query(&["DEL", &wc]);
+    let _: () = server.query(&["HSET", &wc, "not", "a counter"]);
+    // Charges k's counter, then fails on w's.
+    let failed = b.evaluate(&[k.clone(), w], Charging::Atomic).await;
+    assert!(failed.is_err(), "{failed:?}");
+    let _: () = server.query(&["SET", &kc, "50"]);
+    assert_eq!(one(&b, &k).await.remaining, 49);
+    assert_eq!(server.query::<u64>(&["GET", &kc]), 51);
+    assert!(
+        cached(&server, LIBRARIES) > 0,
+        "decided by the function library"
+    );
 }
 
 #[tokio::test]
@@ -960,7 +1001,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
 }
 
 #[tokio::test]
-async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
+async fn a_restarted_server_is_reconnected_and_gets_the_function_library_again() {
     let mut server = RedisServer::start();
     let b = single(&server, "rs:").await;
     let k = hit("k", limit(Kind::TokenBucket, 10, Unit::Minute), 1);
@@ -984,7 +1025,7 @@ async fn a_restarted_server_is_reconnected_and_gets_the_script_again() {
         sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(outcome.remaining, 9, "a fresh server (nothing persisted)");
-    assert!(cached_scripts(&server) > 0);
+    assert!(cached(&server, LIBRARIES) > 0);
 }
 
 #[tokio::test]

@@ -265,10 +265,16 @@ impl RedisServer {
         command.query(&mut self.connection()?)
     }
 
-    /// How many script calls (`EVALSHA` and `EVAL`) the server has run.
+    /// How many script calls (`FCALL`, `EVALSHA` and `EVAL`) the server has run.
     pub fn script_calls(&self) -> u64 {
+        self.calls(&["fcall", "evalsha", "eval"])
+    }
+
+    /// How many calls of these commands (lower case, as `INFO commandstats` names them) the
+    /// server has run.
+    pub fn calls(&self, commands: &[&str]) -> u64 {
         let info: String = self.query(&["INFO", "commandstats"]);
-        ["evalsha", "eval"]
+        commands
             .iter()
             .filter_map(|cmd| {
                 let line = info

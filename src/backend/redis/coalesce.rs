@@ -324,7 +324,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
         *lock(&request.written) = Some(sent);
     }
     let answer = shared
-        .bounded(bound, script::run(&shared.pool, &call))
+        .bounded(bound, shared.runner.run(&shared.pool, &call))
         .await
         .and_then(|raw| script::decode(&raw, &call));
     drop(call);

@@ -33,7 +33,7 @@ use clock::Clock;
 use coalesce::{Lanes, io};
 use connect::Pool;
 pub use layout::KeyLayout;
-pub use script::{Lua, batch_source};
+pub use script::{Lua, batch_library, batch_source};
 use script::{Mode, Nonce, Part};
 
 /// How the configured URLs reach the master(s) that hold the state.
@@ -142,6 +142,8 @@ pub struct RedisBackend {
 /// What the backend and the tasks it spawns (cluster reservations) share.
 struct Shared {
     pool: Pool,
+    /// How the batch script runs on the pool's servers.
+    runner: script::Runner,
     lanes: Lanes,
     call_timeout: Duration,
     /// Bound on script calls that must finish even after the caller gave up (refunds).
@@ -166,6 +168,7 @@ impl RedisBackend {
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 pool,
+                runner: script::Runner::default(),
                 lanes: Lanes::new(config.batch, config.connections),
                 call_timeout: config.call_timeout,
                 cleanup_timeout: config.call_timeout + config.connect_timeout,

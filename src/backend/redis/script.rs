@@ -1,13 +1,20 @@
 //! The batch script and its calls: the algorithms' Lua twins plus the batch driver, assembled
-//! once and run by hash (EVALSHA). A server that does not know the hash (after SCRIPT FLUSH, a
-//! restart or a failover) gets the full text once (EVAL, which also caches it), on whatever
-//! connection type, Cluster included, since EVAL is routed by its first key like EVALSHA.
+//! once. A server that takes functions (Redis 7) runs it as a function library (`FCALL`),
+//! which keeps the twins between calls where a script makes them anew on every one
+//! (`twins`); the library is loaded (`FUNCTION LOAD`) by the first call that finds it missing
+//! (a new server, a restart, `FUNCTION FLUSH`). A server that has no functions, or a user
+//! not allowed them, runs it by hash (`EVALSHA`), and a server that does not know the hash
+//! (after SCRIPT FLUSH, a restart or a failover) gets the full text once (EVAL, which also
+//! caches it). Both on whatever connection type, Cluster included: `FCALL` and `EVAL` are
+//! routed by their first key like `EVALSHA`, and a Cluster client sends `FUNCTION LOAD` to
+//! every master.
 
 use std::fmt::Write;
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use ::redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind};
+use ::redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 use indexmap::IndexSet;
 
 use super::connect::Pool;
@@ -15,22 +22,39 @@ use super::{KeyLayout, twins};
 use crate::algorithm::Micros;
 use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
 
-/// The script text and its SHA-1, computed once.
+/// The script text and its SHA-1, and the same as a function library, computed once.
 struct Batch {
     source: String,
     sha1: String,
+    library: String,
+    /// The library's name and its function's: the script's hash in it, so builds whose
+    /// scripts differ never replace each other's on a server they share.
+    function: String,
 }
 
 static BATCH: LazyLock<Batch> = LazyLock::new(|| {
-    let source = twins::script(include_str!("../../../lua/batch.lua"));
+    let driver = include_str!("../../../lua/batch.lua");
+    let source = twins::script(driver);
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
-    Batch { source, sha1 }
+    let function = format!("turnstile_batch_{sha1}");
+    Batch {
+        library: twins::library(driver, &function),
+        source,
+        sha1,
+        function,
+    }
 });
 
 /// The batch script's text, as turnstile loads it (`turnstile redis-script`: to preload it,
 /// or to run it from a benchmark exactly as turnstile does).
 pub fn batch_source() -> &'static str {
     &BATCH.source
+}
+
+/// The batch script as the function library turnstile loads on Redis 7, and its function's
+/// name (`turnstile redis-script --library`).
+pub fn batch_library() -> (&'static str, &'static str) {
+    (&BATCH.library, &BATCH.function)
 }
 
 /// A script of another module (RLQS shares), with its SHA-1 for EVALSHA.
@@ -295,13 +319,68 @@ impl<'a> Call<'a> {
 }
 
 /// Run a call: by hash, and by text if the server lost the script.
-pub(super) async fn run(pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<Option<i64>>> {
-    let batch = &*BATCH;
-    match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
-        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            pool.query(&call.command("EVAL", &batch.source)).await
+/// How one backend's servers run the batch script: as a function until one of them says it
+/// has none (an older Redis, or a user its ACL keeps from them), by hash from then on.
+#[derive(Default)]
+pub(super) struct Runner {
+    by_hash: AtomicBool,
+}
+
+impl Runner {
+    pub(super) async fn run(&self, pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<Option<i64>>> {
+        let batch = &*BATCH;
+        if !self.by_hash.load(Ordering::Relaxed) {
+            let fcall = call.command("FCALL", &batch.function);
+            match pool.query(&fcall).await {
+                Err(err) if function_missing(&err) => {
+                    let mut load = ::redis::cmd("FUNCTION");
+                    load.arg("LOAD").arg("REPLACE").arg(&batch.library);
+                    match pool.query::<Value>(&load).await {
+                        Ok(_) => return pool.query(&fcall).await,
+                        Err(err) if matches!(err.kind(), ErrorKind::Server(_)) => {
+                            self.give_up_functions(&err)
+                        }
+                        Err(err) => return Err(err),
+                    }
+                }
+                Err(err) if no_functions(&err) => self.give_up_functions(&err),
+                result => return result,
+            }
         }
-        result => result,
+        match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                pool.query(&call.command("EVAL", &batch.source)).await
+            }
+            result => result,
+        }
+    }
+
+    fn give_up_functions(&self, err: &RedisError) {
+        if !self.by_hash.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "Redis runs no turnstile function ({err}): the batch script runs by hash \
+                 (EVALSHA) from now on, at a higher cost to Redis per call"
+            );
+        }
+    }
+}
+
+/// The server takes functions but has not loaded this one.
+fn function_missing(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err
+            .detail()
+            .is_some_and(|d| d.starts_with("Function not found"))
+}
+
+/// The server has no `FCALL` (before Redis 7, or renamed away), or this user may not call it.
+fn no_functions(err: &RedisError) -> bool {
+    match err.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => err
+            .detail()
+            .is_some_and(|d| d.starts_with("unknown command")),
+        _ => false,
     }
 }
 
