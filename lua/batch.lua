@@ -76,12 +76,7 @@ end
 
 -- Twins an earlier call made (a function library keeps them: twins.rs) forget what it left
 -- (`begin`), even if an error ended it. A script makes them afresh: none here yet.
-for _, twin in pairs(ALGORITHMS) do
-  local begin = twin.begin
-  if begin then
-    begin()
-  end
-end
+every_twin('begin')
 
 -- The first two values are compared as text before any is parsed: parsing costs more.
 local now
@@ -318,11 +313,6 @@ for _ = 1, runs do
   end
 end
 -- What a twin deferred within the call is written now (`finish`).
-for _, twin in pairs(ALGORITHMS) do
-  local finish = twin.finish
-  if finish then
-    finish()
-  end
-end
+every_twin('finish')
 reply[n + 1] = now
 return reply

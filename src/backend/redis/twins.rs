@@ -59,6 +59,7 @@ fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
 /// `algorithm(name)` makes a twin's table and keeps it in `ALGORITHMS` for the call's later
 /// specs (the driver looks there first): the branches binding each name (`bind`) go between
 /// the two halves. A plain table and function cost less than a metatable's `__index`.
+/// `every_twin(hook)` runs the optional `hook` (`begin`, `finish`) of every twin made.
 const LOOKUP: [&str; 2] = [
     "\
 local ALGORITHMS = {}
@@ -68,6 +69,14 @@ local function algorithm(name)
     "  else error('no Lua twin is bound to ' .. tostring(name)) end
   ALGORITHMS[name] = twin or error('the Lua twin of ' .. name .. ' returned nothing')
   return twin
+end
+local function every_twin(hook)
+  for _, twin in pairs(ALGORITHMS) do
+    local run = twin[hook]
+    if run then
+      run()
+    end
+  end
 end
 ",
 ];
@@ -136,7 +145,7 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with("  return twin\nend\n-- driver"));
+        assert!(script.ends_with(&format!("{}-- driver", LOOKUP[1])));
     }
 
     #[test]
