@@ -918,6 +918,23 @@ async fn a_call_an_error_ended_leaves_nothing_to_the_next() {
     );
 }
 
+/// A server without functions runs the batch script by hash, from the first answer that says
+/// so: rows, one without `FCALL` (as before Redis 7), one with `FCALL` but no `FUNCTION` to
+/// load the library with (whose first `FCALL` finds no function).
+#[tokio::test]
+async fn a_server_without_functions_runs_the_script_by_hash() {
+    for (missing, fcalls) in [("FCALL", 0), ("FUNCTION", 1)] {
+        let server = RedisServer::start_with(&format!("rename-command {missing} \"\""));
+        let b = single(&server, "nf:").await;
+        let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Minute), 1);
+        for n in 0..3 {
+            assert_eq!(one(&b, &k).await.remaining, 9 - n, "without {missing}");
+        }
+        assert_eq!(server.calls(&["fcall"]), fcalls, "without {missing}");
+        assert!(cached(&server, SCRIPTS) > 0, "without {missing}");
+    }
+}
+
 #[tokio::test]
 async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
     let server = RedisServer::start();

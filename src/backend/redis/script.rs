@@ -318,7 +318,6 @@ impl<'a> Call<'a> {
     }
 }
 
-/// Run a call: by hash, and by text if the server lost the script.
 /// How one backend's servers run the batch script: as a function until one of them says it
 /// has none (an older Redis, or a user its ACL keeps from them), by hash from then on.
 #[derive(Default)]
@@ -327,6 +326,10 @@ pub(super) struct Runner {
 }
 
 impl Runner {
+    /// Run a call: as a function, loading the library if the server lost it; where the
+    /// server has no functions, by hash, and by text if the server lost the script. Only an
+    /// answer that functions are not to be had switches to scripts: any other error (a
+    /// failover's `READONLY`, say) fails this call alone.
     pub(super) async fn run(&self, pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<Option<i64>>> {
         let batch = &*BATCH;
         if !self.by_hash.load(Ordering::Relaxed) {
@@ -337,9 +340,7 @@ impl Runner {
                     load.arg("LOAD").arg("REPLACE").arg(&batch.library);
                     match pool.query::<Value>(&load).await {
                         Ok(_) => return pool.query(&fcall).await,
-                        Err(err) if matches!(err.kind(), ErrorKind::Server(_)) => {
-                            self.give_up_functions(&err)
-                        }
+                        Err(err) if no_functions(&err) => self.give_up_functions(&err),
                         Err(err) => return Err(err),
                     }
                 }
@@ -373,7 +374,8 @@ fn function_missing(err: &RedisError) -> bool {
             .is_some_and(|d| d.starts_with("Function not found"))
 }
 
-/// The server has no `FCALL` (before Redis 7, or renamed away), or this user may not call it.
+/// The server has no `FCALL` or `FUNCTION` (before Redis 7, or renamed away), or this user
+/// may not use them.
 fn no_functions(err: &RedisError) -> bool {
     match err.kind() {
         ErrorKind::Server(ServerErrorKind::NoPerm) => true,
