@@ -14,7 +14,7 @@ use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use ::redis::{Cmd, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind, Value};
 use indexmap::IndexSet;
 
 use super::connect::Pool;
@@ -83,9 +83,20 @@ pub(super) async fn run_lua(
         cmd.arg(script).arg(1).arg(key).arg(args);
         cmd
     };
-    match pool.query(&command("EVALSHA", &lua.sha1)).await {
+    by_hash(pool, command, &lua.sha1, lua.source).await
+}
+
+/// Run a script by hash, and by text (which also caches it) if the server lost it;
+/// `command(verb, script)` is the call with that verb and the hash or the text.
+async fn by_hash<T: FromRedisValue>(
+    pool: &Pool,
+    command: impl Fn(&str, &str) -> Cmd,
+    sha1: &str,
+    source: &str,
+) -> RedisResult<T> {
+    match pool.query(&command("EVALSHA", sha1)).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            pool.query(&command("EVAL", lua.source)).await
+            pool.query(&command("EVAL", source)).await
         }
         result => result,
     }
@@ -348,12 +359,8 @@ impl Runner {
                 result => return result,
             }
         }
-        match pool.query(&call.command("EVALSHA", &batch.sha1)).await {
-            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                pool.query(&call.command("EVAL", &batch.source)).await
-            }
-            result => result,
-        }
+        let command = |verb: &str, script: &str| call.command(verb, script);
+        by_hash(pool, command, &batch.sha1, &batch.source).await
     }
 
     fn give_up_functions(&self, err: &RedisError) {

@@ -33,7 +33,7 @@
 //!
 //! The same text goes to Redis two ways (`script`, `library`). As a script (`EVALSHA`) all of
 //! it runs on every call: the twins are made anew each time, a closure per function, about a
-//! fifth of what a call of one request costs Redis. As a function library (Redis 7's
+//! sixth of what a call of one request costs Redis. As a function library (Redis 7's
 //! `FUNCTION LOAD`, then `FCALL`) the driver is the library's one function, and what comes
 //! before it (the twins, `ALGORITHMS`) outlives the call: a twin is made by the first call
 //! that asks for it and kept until the library is loaded again.
