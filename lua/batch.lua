@@ -9,10 +9,10 @@
 --      comes first, where no request's data can stand in for it;
 --   2. the earliest of the requests' deadlines (0: none), so a call that starts before it
 --      reads none of them;
---   3. the number of limit specs, then 5 values per spec: algorithm, limit, window seconds,
---      burst, and the role ('e' enforce, 's' shadow, 'q' quota). A call sends each distinct
---      spec once, however many of its hits use it;
---   then the number of runs, a run being requests in a row alike in mode and hits (most of
+--   3. the limit specs, in one text: per spec its algorithm, limit, window seconds, burst
+--      and role ('e' enforce, 's' shadow, 'q' quota), separated by spaces and ended by ';'.
+--      A call sends each distinct spec once, however many of its hits use it;
+--   4. the number of runs, a run being requests in a row alike in mode and hits (most of
 --   a call's requests make one run), then per run:
 --   - its shape: its mode's letter ('a' atomic, 'e' each, 'c' check, 'r' refund), then per
 --     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease, then
@@ -55,12 +55,22 @@
 -- All of this runs for every decision on Redis' one thread, so the work per hit is kept
 -- small: no table is made per hit or per verdict, and numbers go to Redis as the text they
 -- came in or were formatted in once per call.
-local ARGV, KEYS, byte, sub = ARGV, KEYS, string.byte, string.sub
-local match, gmatch = string.match, string.gmatch
-local GIVE = byte('-')
 -- A ticket's length, and its nonce's: a request's ticket starts after `o` characters of its
 -- run's tickets, o = (its place in the run - 1) * TICKET.
 local TICKET, NONCE = 28, 12
+
+-- What calls read of their specs' text and their runs' shapes (about a fifth of a call of
+-- one request), by the texts themselves. A function library keeps it, as it keeps the twins:
+-- there the code above the line that opens each call runs once (twins.rs); a script reads
+-- anew in every call. It is bounded by characters (each entry counted as its text's length
+-- and ENTRY more): past KEEP, everything is forgotten and read again.
+local read, kept = {}, 0
+local KEEP, ENTRY = 65536, 256
+
+-- Each call: (a library's code can reach Redis' and Lua's libraries only from here on)
+local ARGV, KEYS, byte, sub = ARGV, KEYS, string.byte, string.sub
+local match, gmatch = string.match, string.gmatch
+local GIVE = byte('-')
 
 -- A text becomes a number through strtod; the same few texts (costs, counts, spec indices)
 -- recur throughout a call, so each is converted once: `numbers[text] or number(text)` (a
@@ -89,36 +99,52 @@ end
 -- Only a call that starts past its earliest deadline reads the requests' own.
 local late = ARGV[2] ~= '0' and now > ARGV[2] + 0
 
--- Each spec's twin works out once what all its hits share in this call (`prepare`).
-local spec_count = numbers[ARGV[3]] or number(ARGV[3])
-local specs = {}
-for s = 1, spec_count do
-  local b = 3 + 5 * (s - 1)
-  local name = ARGV[b + 1]
-  local twin = ALGORITHMS[name] or algorithm(name)
-  local limit, window, burst = ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
-  local spec = {
-    twin = twin,
-    take = twin.take,
-    limit = numbers[limit] or number(limit),
-    window = numbers[window] or number(window),
-    burst = numbers[burst] or number(burst),
-    role = ARGV[b + 5],
-  }
-  twin.prepare(spec, now)
-  specs[s] = spec
+-- The specs: what was read of their text, or read now. A spec's table outlives the call where
+-- a library keeps it; each call's `prepare` works out what all its hits share in that call.
+local specs_text = ARGV[3]
+if kept > KEEP then
+  read, kept = {}, 0
+end
+local known = read[specs_text]
+if not known then
+  local specs, length = {}, 0
+  for whole, name, limit, window, burst, role in
+      gmatch(specs_text, '(([%w_]+) (%d+) (%d+) (%d+) (%a);)') do
+    local twin = ALGORITHMS[name] or algorithm(name)
+    length = length + #whole
+    specs[#specs + 1] = {
+      twin = twin,
+      prepare = twin.prepare,
+      take = twin.take,
+      limit = numbers[limit] or number(limit),
+      window = numbers[window] or number(window),
+      burst = numbers[burst] or number(burst),
+      role = role,
+    }
+  end
+  if length ~= #specs_text then
+    error('the specs are written ' .. specs_text)
+  end
+  known = { specs = specs, shapes = {} }
+  read[specs_text], kept = known, kept + #specs_text + ENTRY
+end
+local specs = known.specs
+for s = 1, #specs do
+  local spec = specs[s]
+  spec.prepare(spec, now)
 end
 
 -- Every key must be some hit's, and every value some field's; each run's shape is read here,
--- the first time a call meets its text, into what its requests share, as one flat table (a
--- table per field, or a function to read it, would cost more): its mode's letter, hit count,
--- how many values follow each ticket and how many requests the run holds, then per hit its
--- spec, cost and cost's text; and, only where some hit has one, where each hit's lease
--- (`lease`) and stamp (`stamp`) are among those values (nil: none). The commonest shape, one
--- hit without a lease outside a refund, is read by one match; where that hit costs something
--- and its requests charge (atomic or each), the shape names the hit's spec as `quick`.
-local shapes = {}
-local a = 3 + 5 * spec_count + 1
+-- the first time a call with these specs meets its text (and kept with them), into what its
+-- requests share, as one flat table (a table per field, or a function to read it, would cost
+-- more): its mode's letter, hit count, how many values follow each ticket and how many
+-- requests the run holds, then per hit its spec, cost and cost's text; and, only where some
+-- hit has one, where each hit's lease (`lease`) and stamp (`stamp`) are among those values
+-- (nil: none). The commonest shape, one hit without a lease outside a refund, is read by one
+-- match; where that hit costs something and its requests charge (atomic or each), the shape
+-- names the hit's spec as `quick`. A shape is kept only once it is checked whole.
+local shapes = known.shapes
+local a = 4
 local runs, first, k = numbers[ARGV[a]] or number(ARGV[a]), a, 0
 for _ = 1, runs do
   local text = ARGV[a + 1]
@@ -163,7 +189,7 @@ for _ = 1, runs do
     if sh.size < 1 then
       error('a run is shaped ' .. text .. ': it holds no request')
     end
-    shapes[text] = sh
+    shapes[text], kept = sh, kept + #text + ENTRY
   end
   if #(ARGV[a + 2] or '') ~= sh.size * TICKET then
     error('a run is shaped ' .. text .. ': its tickets are not ' .. sh.size .. ' of '

@@ -68,18 +68,21 @@ end
 
 return {
   -- Every hit of a call decides at the same time, so all of a spec's hits share a window.
-  -- Its suffix is formatted here once ('%d' costs less than Lua's own number to text). Times
-  -- and windows are whole numbers, so rounding is done with '%', which costs less than a
-  -- call of math.floor or math.ceil.
+  -- Its suffix is formatted here ('%d' costs less than Lua's own number to text), once per
+  -- window where the spec's table is kept from call to call (a function library). Times and
+  -- windows are whole numbers, so rounding is done with '%', which costs less than a call of
+  -- math.floor or math.ceil.
   prepare = function(s, now)
     local window, seconds = s.window, (now - now % 1000000) / 1000000
     local start = seconds - seconds % window
-    s.start = start
-    s.suffix = separator .. format('%d', start)
+    if start ~= s.start then
+      s.start = start
+      s.suffix = separator .. format('%d', start)
+      s.spread = window * 1000 < SPREAD_MS and window * 1000 or SPREAD_MS
+    end
     local reset = (start + window) * 1000000 - now
     s.reset = reset
     s.ttl = (reset + 999 - (reset + 999) % 1000) / 1000
-    s.spread = window * 1000 < SPREAD_MS and window * 1000 or SPREAD_MS
   end,
 
   check = check,

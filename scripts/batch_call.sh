@@ -3,14 +3,15 @@
 # benchmark rules fw, sw and tb; sourced by bench.sh and script_cost.sh, so the two send the
 # same call.
 
-# The algorithm of each rule, and its limit spec as turnstile sends it (once per call):
-# algorithm, limit, window s, burst, role. Limits are high enough that answers are real
-# admissions (state read and written); the sliding window's is capped at 10 000 per window.
+# The algorithm of each rule, and its limit spec as turnstile sends it (once per call, in the
+# call's one value of specs): algorithm, limit, window s, burst, role, then ';'. Limits are
+# high enough that answers are real admissions (state read and written); the sliding
+# window's is capped at 10 000 per window.
 declare -A CALL_ALGO=([fw]=fixed_window [sw]=sliding_window [tb]=token_bucket)
-declare -A SPEC_ARGS=(
-  [fw]="fixed_window 1000000000 60 1000000000 e"
-  [sw]="sliding_window 10000 1 10000 e"
-  [tb]="token_bucket 1 1 1000000000 e"
+declare -A SPEC=(
+  [fw]="fixed_window 1000000000 60 1000000000 e;"
+  [sw]="sliding_window 10000 1 10000 e;"
+  [tb]="token_bucket 1 1 1000000000 e;"
 )
 
 # evalsha_args RULE KEYS PER_CALL [DEADLINE]: the KEYS and ARGV of one call deciding PER_CALL
@@ -29,8 +30,7 @@ evalsha_args() {
   fi
   printf '%s\n' "$per_call"
   for i in $(seq "$per_call"); do printf '%s\n' "$key"; done
-  # shellcheck disable=SC2086 # SPEC_ARGS is a word list on purpose
-  printf '%s\n' 0 "$deadline" 1 ${SPEC_ARGS[$rule]} 1 "a 1:1*$per_call"
+  printf '%s\n' 0 "$deadline" "${SPEC[$rule]}" 1 "a 1:1*$per_call"
   for i in $(seq "$per_call"); do tickets+="$(printf '__rand_int__%016d' "$deadline")"; done
   printf '%s\n' "$tickets"
 }

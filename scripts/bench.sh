@@ -162,7 +162,7 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1, burst: 10, algorithm: token_bucket}
 EOF
 "$BIN" check --config "$RULES" >/dev/null
-# The batch script's call for the ceiling (SPEC_ARGS, evalsha_args) and the algorithms of
+# The batch script's call for the ceiling (SPEC, evalsha_args) and the algorithms of
 # its rules fw, sw and tb (CALL_ALGO), shared with script_cost.sh.
 # shellcheck source=scripts/batch_call.sh
 . scripts/batch_call.sh

@@ -652,16 +652,27 @@ async fn mixed_run(b: &RedisBackend) {
 
 /// A call the batch script cannot read is refused whole, before it writes anything: the
 /// well-formed request in front of the flaw is not charged either. A call it can read writes
-/// counters that expire. Each row is one call's KEYS and the ARGV after the spec (fixed
-/// window, 10 per minute): the count of runs of alike requests, then per run its shape (ended
-/// by how many requests it holds), its requests' tickets in one value (28 characters each),
-/// then per request its extra values (`lua/batch.lua` has the layout).
+/// counters that expire. Each row is one call's KEYS, its specs (one value; SPEC: the fixed
+/// window, 10 per minute) and the ARGV after them: the count of runs of alike requests, then
+/// per run its shape (ended by how many requests it holds), its requests' tickets in one value
+/// (28 characters each), then per request its extra values (`lua/batch.lua` has the layout).
+/// The rows run as a script and, in turn on one server, as the library's function, which
+/// keeps what it read of specs and shapes: nothing a refused call read changes a later call.
 #[test]
 fn a_call_the_script_cannot_read_writes_nothing() {
-    /// A case, its KEYS, its runs' values, and a word of the error it gets (None: none).
-    type Malformed<'a> = (&'a str, &'a [&'a str], &'a [&'a str], Option<&'a str>);
+    /// A case, its KEYS, specs, runs' values, and a word of the error it gets (None: none).
+    type Malformed<'a> = (
+        &'a str,
+        &'a [&'a str],
+        &'a str,
+        &'a [&'a str],
+        Option<&'a str>,
+    );
+    const SPEC: &str = "fixed_window 10 60 10 e;";
     let server = RedisServer::start();
     let script = turnstile::backend::redis::batch_source();
+    let (library, function) = turnstile::backend::redis::batch_library();
+    server.query::<String>(&["FUNCTION", "LOAD", library]);
     let (t1, t2) = (
         format!("nonce0000001{:016}", 0),
         format!("nonce0000002{:016}", 0),
@@ -677,52 +688,103 @@ fn a_call_the_script_cannot_read_writes_nothing() {
     let good = ["a 1:1*1", t1.as_str()];
     let two = ["k1", "k2"];
     #[rustfmt::skip]
-    let cases: [Malformed; 15] = [
-        ("well formed", &two, &["2", good[0], good[1], "a 1:1*1", t2], None),
-        ("one run of two", &two, &["1", "a 1:1*2", both], None),
-        ("a deadline that is no number", &two, &["2", good[0], good[1], "a 1:1*1", no_deadline], None),
-        ("no such mode", &two, &["2", good[0], good[1], "x 1:1*1", t2], Some("shaped")),
-        ("trailing text", &two, &["2", good[0], good[1], "a 1:1 junk*1", t2], Some("shaped")),
-        ("text after the size", &two, &["2", good[0], good[1], "a 1:1*1 junk", t2], Some("shaped")),
-        ("no size", &two, &["2", good[0], good[1], "a 1:1", t2], Some("shaped")),
-        ("a run of none", &two, &["2", good[0], good[1], "a 1:1*0", ""], Some("no request")),
-        ("no such spec", &two, &["2", good[0], good[1], "a 2:1*1", t2], Some("spec")),
-        ("no tickets", &two, &["2", good[0], good[1], "a 1:1*1"], Some("tickets")),
-        ("a run longer than its tickets", &two, &["1", "a 1:1*3", both], Some("tickets")),
-        ("a ticket too long", &two, &["2", good[0], good[1], "a 1:1*1", long], Some("tickets")),
-        ("a key too many", &["k1", "k2", "k3"], &["2", good[0], good[1], "a 1:1*1", t2], Some("keys")),
-        ("a value too many", &two, &["2", good[0], good[1], "a 1:1*1", t2, "+r"], Some("values")),
-        ("a lease missing", &two, &["2", good[0], good[1], "a 1:1L*1", t2], Some("values")),
+    let cases: [Malformed; 21] = [
+        ("well formed", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", t2], None),
+        ("one run of two", &two, SPEC, &["1", "a 1:1*2", both], None),
+        ("a deadline that is no number", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", no_deadline], None),
+        ("no such mode", &two, SPEC, &["2", good[0], good[1], "x 1:1*1", t2], Some("shaped")),
+        ("trailing text", &two, SPEC, &["2", good[0], good[1], "a 1:1 junk*1", t2], Some("shaped")),
+        ("text after the size", &two, SPEC, &["2", good[0], good[1], "a 1:1*1 junk", t2], Some("shaped")),
+        ("no size", &two, SPEC, &["2", good[0], good[1], "a 1:1", t2], Some("shaped")),
+        ("a run of none", &two, SPEC, &["2", good[0], good[1], "a 1:1*0", ""], Some("no request")),
+        ("no such spec", &two, SPEC, &["2", good[0], good[1], "a 2:1*1", t2], Some("spec")),
+        ("no tickets", &two, SPEC, &["2", good[0], good[1], "a 1:1*1"], Some("tickets")),
+        ("a run longer than its tickets", &two, SPEC, &["1", "a 1:1*3", both], Some("tickets")),
+        ("a ticket too long", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", long], Some("tickets")),
+        ("a key too many", &["k1", "k2", "k3"], SPEC, &["2", good[0], good[1], "a 1:1*1", t2], Some("keys")),
+        ("a value too many", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", t2, "+r"], Some("values")),
+        ("a lease missing", &two, SPEC, &["2", good[0], good[1], "a 1:1L*1", t2], Some("values")),
+        ("a spec not ended", &two, "fixed_window 10 60 10 e", &["1", "a 1:1*2", both], Some("specs")),
+        ("text after the specs", &two, "fixed_window 10 60 10 e;x", &["1", "a 1:1*2", both], Some("specs")),
+        ("a spec short of a value", &two, "fixed_window 10 60 e;", &["1", "a 1:1*2", both], Some("specs")),
+        ("no such algorithm", &two, "leaky_bucket 10 60 10 e;", &["1", "a 1:1*2", both], Some("leaky_bucket")),
+        ("no specs", &two, "", &["1", "a 1:1*2", both], Some("spec")),
+        ("well formed, after them all", &two, SPEC, &["1", "a 1:1*2", both], None),
     ];
-    for (case, keys, runs, error) in cases {
-        server.query::<()>(&["FLUSHALL"]);
-        let mut args = vec!["EVAL", script];
-        let count = keys.len().to_string();
-        args.push(&count);
-        args.extend(keys);
-        args.extend(["0", "0", "1", "fixed_window", "10", "60", "10", "e"]);
-        args.extend(runs);
-        let reply = server.try_query::<Vec<i64>>(&args);
-        let written: i64 = server.query(&["DBSIZE"]);
-        match error {
-            None => {
-                let reply = reply.unwrap_or_else(|err| panic!("{case}: {err}"));
-                // Per request: remaining 9, a reset; then the script's time.
-                assert_eq!(reply.len(), 2 * 2 + 1, "{case}: {reply:?}");
-                assert_eq!([reply[0], reply[2]], [9, 9], "{case}");
-                assert_eq!(written, 2, "{case}: one counter per key");
-                for key in server.keys("*") {
-                    let ttl: i64 = server.query(&["PTTL", &key]);
-                    assert!(ttl > 0, "{case}: {key} expires ({ttl})");
+    for (verb, name) in [("EVAL", script), ("FCALL", function)] {
+        for (case, keys, specs, runs, error) in cases {
+            server.query::<()>(&["FLUSHALL"]);
+            let mut args = vec![verb, name];
+            let count = keys.len().to_string();
+            args.push(&count);
+            args.extend(keys);
+            args.extend(["0", "0", specs]);
+            args.extend(runs);
+            let reply = server.try_query::<Vec<i64>>(&args);
+            let written: i64 = server.query(&["DBSIZE"]);
+            match error {
+                None => {
+                    let reply = reply.unwrap_or_else(|err| panic!("{verb} {case}: {err}"));
+                    // Per request: remaining 9, a reset; then the script's time.
+                    assert_eq!(reply.len(), 2 * 2 + 1, "{verb} {case}: {reply:?}");
+                    assert_eq!([reply[0], reply[2]], [9, 9], "{verb} {case}");
+                    assert_eq!(written, 2, "{verb} {case}: one counter per key");
+                    for key in server.keys("*") {
+                        let ttl: i64 = server.query(&["PTTL", &key]);
+                        assert!(ttl > 0, "{verb} {case}: {key} expires ({ttl})");
+                    }
                 }
-            }
-            Some(words) => {
-                let err = reply.expect_err(case).to_string();
-                assert!(err.contains(words), "{case}: {err}");
-                assert_eq!(written, 0, "{case}: nothing is written");
+                Some(words) => {
+                    let err = reply.expect_err(case).to_string();
+                    assert!(err.contains(words), "{verb} {case}: {err}");
+                    assert_eq!(written, 0, "{verb} {case}: nothing is written");
+                }
             }
         }
     }
+}
+
+/// What the library keeps of the specs and shapes calls send is bounded, whatever they send:
+/// every request here has a cost of its own, so a shape of its own, as a client's
+/// `hits_addend` can make them; Redis' memory for functions stays within a bound that keeping
+/// them all would pass several times over.
+#[test]
+fn what_the_library_keeps_of_calls_is_bounded() {
+    let server = RedisServer::start();
+    let (library, function) = turnstile::backend::redis::batch_library();
+    server.query::<String>(&["FUNCTION", "LOAD", library]);
+    let ticket = format!("nonce0000001{:016}", 0);
+    let mut connection = server.connection().expect("connect");
+    let calls = 20_000;
+    for chunk in (1..=calls).collect::<Vec<u32>>().chunks(1_000) {
+        let mut pipe = redis::pipe();
+        for cost in chunk {
+            pipe.cmd("FCALL")
+                .arg(function)
+                .arg(1)
+                .arg("k")
+                .arg(0)
+                .arg(0)
+                .arg("fixed_window 1000000000 60 1000000000 e;")
+                .arg(1)
+                .arg(format!("a 1:{cost}*1"))
+                .arg(&ticket)
+                .ignore();
+        }
+        pipe.query::<()>(&mut connection).expect("calls");
+    }
+    let charged: u64 = server.query(&["GET", &server.keys("k:*")[0]]);
+    assert_eq!(
+        charged,
+        u64::from(calls) * u64::from(calls + 1) / 2,
+        "each call charged"
+    );
+    let lua_memory: u64 = server
+        .info("memory", "used_memory_vm_functions")
+        .and_then(|bytes| bytes.parse().ok())
+        .expect("Redis 7 tells its functions' memory");
+    // 20 000 shapes kept would take several MB; the bound keeps about 256 of them.
+    assert!(lua_memory < 2 << 20, "functions' memory {lua_memory} bytes");
 }
 
 /// In a call that starts past its earliest deadline, each request is read against its own:
@@ -736,7 +798,7 @@ fn a_call_started_late_decides_only_the_requests_still_awaited() {
     #[rustfmt::skip]
     let args = [
         "EVAL", script, "3", "k1", "k2", "k3",
-        now, "5", "1", "fixed_window", "10", "60", "10", "e",
+        now, "5", "fixed_window 10 60 10 e;",
         "1", "a 1:1*3",
         // Three tickets: a nonce, then a deadline of 16 digits (0: none).
         "nonce00000010000000000000005nonce00000020000000000000000nonce00000032000000000000000",

@@ -38,7 +38,8 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
     let function = format!("turnstile_batch_{sha1}");
     Batch {
-        library: twins::library(driver, &function),
+        library: twins::library(driver, &function)
+            .expect("lua/batch.lua has the line that opens each call"),
         source,
         sha1,
         function,
@@ -269,16 +270,15 @@ impl<'a> Call<'a> {
         for (part, _) in &self.parts {
             cmd.arg(&part.keys);
         }
-        cmd.arg(self.at.unwrap_or(0))
-            .arg(self.earliest)
-            .arg(self.specs.len());
-        for spec in &self.specs {
-            cmd.arg(spec.algorithm)
-                .arg(spec.limit)
-                .arg(spec.window)
-                .arg(spec.burst)
-                .arg(spec.role);
+        let mut specs = String::new();
+        for s in &self.specs {
+            let _ = write!(
+                specs,
+                "{} {} {} {} {};",
+                s.algorithm, s.limit, s.window, s.burst, s.role
+            );
         }
+        cmd.arg(self.at.unwrap_or(0)).arg(self.earliest).arg(specs);
         // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
         // how many requests it holds, then its requests' tickets in one value, then each
         // request's leases and (refund) stamps.
@@ -525,8 +525,8 @@ mod tests {
         );
         let expected = [
             "EVALSHA sha 8 a b a b c d a b",
-            // Redis time, the earliest deadline, two specs.
-            "0 3 2 fixed_window 10 60 10 e concurrency 10 60 10 e",
+            // Redis time, the earliest deadline, two specs in one value.
+            "0|3|fixed_window 10 60 10 e;concurrency 10 60 10 e;",
             // Three runs of requests alike: the shape (mode, then spec:cost per hit, L for a
             // lease, then how many requests in a row share it), then the requests' tickets
             // (nonce and deadline, 28 characters each), then per request its leases and, in
@@ -543,7 +543,7 @@ mod tests {
         let timed = Call::new(vec![(&second, 0)], Some(42));
         assert_eq!(
             args(&timed.command("EVALSHA", "sha"))[5..8],
-            ["42", "0", "2"]
+            ["42", "0", "fixed_window 10 60 10 e;concurrency 10 60 10 e;"]
         );
     }
 

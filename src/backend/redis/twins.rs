@@ -34,9 +34,10 @@
 //! The same text goes to Redis two ways (`script`, `library`). As a script (`EVALSHA`) all of
 //! it runs on every call: the twins are made anew each time, a closure per function, about a
 //! sixth of what a call of one request costs Redis. As a function library (Redis 7's
-//! `FUNCTION LOAD`, then `FCALL`) the driver is the library's one function, and what comes
-//! before it (the twins, `ALGORITHMS`) outlives the call: a twin is made by the first call
-//! that asks for it and kept until the library is loaded again.
+//! `FUNCTION LOAD`, then `FCALL`) the driver from its line [`EACH_CALL`] on is the library's
+//! one function, and what comes before it (the twins, `ALGORITHMS`, and the driver's own
+//! first part: what it keeps of the specs and shapes calls send) outlives the call: a twin is
+//! made by the first call that asks for it and kept until the library is loaded again.
 
 use std::fmt::Write;
 
@@ -88,6 +89,11 @@ fn bind(n: usize, name: &str, kind: Kind, layout: KeyLayout) -> String {
     format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
+/// The comment that opens the driver's part run on each call. A function library runs what
+/// is above it once, when loaded, where Redis lets code reach neither `redis` nor Lua's
+/// libraries (`string`, `table`): only plain values and tables can be made there.
+pub(super) const EACH_CALL: &str = "-- Each call:";
+
 /// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
 pub(super) fn script(driver: &str) -> String {
     let mut source = twins();
@@ -96,15 +102,19 @@ pub(super) fn script(driver: &str) -> String {
 }
 
 /// The batch script as a function library named `name` (its one function has the same name):
-/// the twins and `ALGORITHMS`, kept between calls, then `driver` as the function, given the
-/// call's keys and values under the names a script knows them by.
-pub(super) fn library(driver: &str, name: &str) -> String {
+/// the twins, `ALGORITHMS` and the driver's part above [`EACH_CALL`], kept between calls, then
+/// the rest of `driver` as the function, given the call's keys and values under the names a
+/// script knows them by. None if `driver` has no such line.
+pub(super) fn library(driver: &str, name: &str) -> Option<String> {
+    let (kept, each_call) = driver.split_once(EACH_CALL)?;
     let mut source = format!("#!lua name={name}\n");
     source.push_str(&twins());
+    source.push_str(kept);
     source.push_str("local function batch(KEYS, ARGV)\n");
-    source.push_str(driver);
+    source.push_str(EACH_CALL);
+    source.push_str(each_call);
     let _ = writeln!(source, "end\nredis.register_function('{name}', batch)");
-    source
+    Some(source)
 }
 
 /// The twins, each in a function, and the `ALGORITHMS` table and `algorithm` function that
@@ -149,14 +159,28 @@ mod tests {
     }
 
     #[test]
-    fn the_library_is_the_script_with_its_driver_as_the_one_function() {
-        let (script, library) = (script("-- driver\n"), library("-- driver\n", "lib_1"));
-        let twins = script.strip_suffix("-- driver\n").unwrap();
-        let wrapped = "local function batch(KEYS, ARGV)\n-- driver\nend\n";
+    fn the_library_is_the_script_with_its_driver_from_each_call_on_as_the_one_function() {
+        let driver = format!("-- kept\n{EACH_CALL}-- driver\n");
+        let (script, library) = (script(&driver), library(&driver, "lib_1"));
+        let twins = script.strip_suffix(&driver).unwrap();
+        let wrapped = format!("local function batch(KEYS, ARGV)\n{EACH_CALL}-- driver\nend\n");
         let register = "redis.register_function('lib_1', batch)\n";
         assert_eq!(
-            library,
-            format!("#!lua name=lib_1\n{twins}{wrapped}{register}")
+            library.as_deref(),
+            Some(&*format!(
+                "#!lua name=lib_1\n{twins}-- kept\n{wrapped}{register}"
+            ))
+        );
+        assert_eq!(
+            super::library("-- driver\n", "lib_1"),
+            None,
+            "no line opens each call"
+        );
+        let batch = include_str!("../../../lua/batch.lua");
+        assert_eq!(
+            batch.matches(EACH_CALL).count(),
+            1,
+            "batch.lua opens each call once"
         );
     }
 
