@@ -59,7 +59,7 @@
 -- run's tickets, o = (its place in the run - 1) * TICKET.
 local TICKET, NONCE = 28, 12
 
--- What calls read of their specs' text and their runs' shapes (about a fifth of a call of
+-- What calls read of their specs' text and their runs' shapes (about a quarter of a call of
 -- one request), by the texts themselves. A function library keeps it, as it keeps the twins:
 -- there the code above the line that opens each call runs once (twins.rs); a script reads
 -- anew in every call. It is bounded by characters (each entry counted as its text's length

@@ -106,12 +106,11 @@ pub(super) fn script(driver: &str) -> String {
 /// the rest of `driver` as the function, given the call's keys and values under the names a
 /// script knows them by. None if `driver` has no such line.
 pub(super) fn library(driver: &str, name: &str) -> Option<String> {
-    let (kept, each_call) = driver.split_once(EACH_CALL)?;
+    let (kept, each_call) = driver.split_at(driver.find(EACH_CALL)?);
     let mut source = format!("#!lua name={name}\n");
     source.push_str(&twins());
     source.push_str(kept);
     source.push_str("local function batch(KEYS, ARGV)\n");
-    source.push_str(EACH_CALL);
     source.push_str(each_call);
     let _ = writeln!(source, "end\nredis.register_function('{name}', batch)");
     Some(source)
