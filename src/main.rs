@@ -36,15 +36,14 @@ fn main() -> ExitCode {
         Command::Check(args) => check(&args),
         Command::Explain(args) => turnstile::explain::main(&args),
         Command::RedisScript(args) => {
-            if args.library {
-                let (library, function) = turnstile::backend::redis::batch_library();
-                print!("{library}");
-                eprintln!("{function}");
+            // The text, and on stderr the name turnstile calls it by.
+            let (text, name) = if args.library {
+                turnstile::backend::redis::batch_library()
             } else {
-                let source = turnstile::backend::redis::batch_source();
-                print!("{source}");
-                eprintln!("{}", sha1_smol::Sha1::from(source).digest());
-            }
+                turnstile::backend::redis::batch_source()
+            };
+            print!("{text}");
+            eprintln!("{name}");
             ExitCode::SUCCESS
         }
         Command::Serve(args) => {

@@ -670,7 +670,7 @@ fn a_call_the_script_cannot_read_writes_nothing() {
     );
     const SPEC: &str = "fixed_window 10 60 10 e;";
     let server = RedisServer::start();
-    let script = turnstile::backend::redis::batch_source();
+    let (script, _) = turnstile::backend::redis::batch_source();
     let (library, function) = turnstile::backend::redis::batch_library();
     server.query::<String>(&["FUNCTION", "LOAD", library]);
     let (t1, t2) = (
@@ -792,7 +792,7 @@ fn what_the_library_keeps_of_calls_is_bounded() {
 #[test]
 fn a_call_started_late_decides_only_the_requests_still_awaited() {
     let server = RedisServer::start();
-    let script = turnstile::backend::redis::batch_source();
+    let (script, _) = turnstile::backend::redis::batch_source();
     // Decided at 10^15 µs; the first request's deadline, 5 µs, is long past.
     let now = "1000000000000000";
     #[rustfmt::skip]

@@ -47,9 +47,10 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
 });
 
 /// The batch script's text, as turnstile loads it (`turnstile redis-script`: to preload it,
-/// or to run it from a benchmark exactly as turnstile does).
-pub fn batch_source() -> &'static str {
-    &BATCH.source
+/// or to run it from a benchmark exactly as turnstile does), and its SHA-1, the hash turnstile
+/// calls it by (`EVALSHA`).
+pub fn batch_source() -> (&'static str, &'static str) {
+    (&BATCH.source, &BATCH.sha1)
 }
 
 /// The batch script as the function library turnstile loads on Redis 7, and its function's
