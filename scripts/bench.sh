@@ -18,7 +18,8 @@
 #      also read against), those binaries and this build in turn, same load, same run, at
 #      100 000 keys and at the load issue 15 measured (1 000 keys over 4 connections; this
 #      build alone without baselines); and a fleet: 4 instances sharing one Redis (total
-#      decisions/s, Redis CPU per decision);
+#      decisions/s, Redis CPU per decision); on Redis the same before/after again with
+#      turnstile and Redis on one core and the generator on another (`taskset`);
 #   g. a window's end: errors and Redis's longest expire cycle while a minute's counters
 #      expire (this build, 20 s across a minute's end);
 #   h. beside the Rust peer: with BENCH_PEER=limitador=<a limitador-server binary, built
@@ -42,7 +43,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -184,13 +185,15 @@ await_healthy() {
   exit 1
 }
 
-# start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's).
+# start_turnstile BACKEND [serve options...]: the binary is $TS_BIN (default: this build's);
+# with ON_CPU set, it runs on that CPU alone.
 start_turnstile() {
-  local http backend="$1"
+  local http backend="$1" pin=()
   shift
+  [ -n "${ON_CPU:-}" ] && pin=(taskset -c "$ON_CPU")
   GRPC="127.0.0.1:$(free_port)"
   http="127.0.0.1:$(free_port)"
-  "${TS_BIN:-$BIN}" serve --config "$RULES" --grpc-addr "$GRPC" --http-addr "$http" \
+  "${pin[@]}" "${TS_BIN:-$BIN}" serve --config "$RULES" --grpc-addr "$GRPC" --http-addr "$http" \
     --backend "$backend" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-level warn "$@" \
     >>"$OUT/turnstile.log" 2>&1 &
   TS_PID=$!
@@ -200,13 +203,15 @@ start_turnstile() {
 
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
-# load NAME BACKEND RULE KEYS [extra bench args...]: one load run, appended to results.
+# load NAME BACKEND RULE KEYS [extra bench args...]: one load run, appended to results; with
+# LOAD_CPU set, the generator runs on that CPU alone.
 load() {
-  local name="$1" backend="$2" rule="$3" keys="$4"
+  local name="$1" backend="$2" rule="$3" keys="$4" pin=()
   shift 4
   local watch="${WATCH_AS:-turnstile}=$TS_PID"
   [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
-  "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
+  [ -n "${LOAD_CPU:-}" ] && pin=(taskset -c "$LOAD_CPU")
+  "${pin[@]}" "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
     --connections "${LOAD_CONNECTIONS:-$CONNECTIONS}" \
     --key "$rule" --keys "$keys" --duration "${LOAD_DURATION:-$DURATION}" \
     --warmup "${LOAD_WARMUP:-$WARMUP}" --threads 1 \
@@ -408,18 +413,42 @@ done
 # Each load: its runs' name, keys and connections.
 loads=("ab_issue_load 1000 4")
 [ "${#sides[@]}" -gt 0 ] && loads=("ab $BIG $CONNECTIONS" "${loads[@]}")
+# The same loads with a core for the service and another for the generator (Redis backend,
+# given two CPUs): turnstile and Redis on the first, the generator on the second. Sharing
+# both cores, the generator's own CPU per call takes a share that no build of the service can
+# win back, so ratios of calls/s between builds there understate what a build changed; here
+# each build has one core for itself and its Redis, as a deployment gives the service CPUs
+# of its own. Not the memory backend: with a core of its own turnstile outruns the generator.
+mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
+one_core_loads=()
+if [ "${#cpus[@]}" -ge 2 ] && command -v taskset >/dev/null; then
+  for each in "${loads[@]}"; do one_core_loads+=("${each/ab/ab_one_core}"); done
+fi
+redis_cpus="$(taskset -p -c "$REDIS_PID" | awk '{print $NF}')"
+# run_loads BACKEND SIDE ROUND LOAD...: the loads against the turnstile just started.
+run_loads() {
+  local backend="$1" side="$2" round="$3" each prefix keys connections
+  shift 3
+  for each in "$@"; do
+    read -r prefix keys connections <<<"$each"
+    [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+    LOAD_CONNECTIONS="$connections" load "$prefix/$backend/$side/$round" "$backend" fw "$keys"
+  done
+}
 sides+=(current)
 log "before/after: ${sides[*]}"
 for backend in memory redis; do
   for round in 1 2; do
     for side in "${sides[@]}"; do
       TS_BIN="${BUILD[$side]}" start_turnstile "$backend"
-      for each in "${loads[@]}"; do
-        read -r prefix keys connections <<<"$each"
-        [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
-        LOAD_CONNECTIONS="$connections" load "$prefix/$backend/$side/$round" "$backend" fw "$keys"
-      done
+      run_loads "$backend" "$side" "$round" "${loads[@]}"
       stop "$TS_PID"
+      [ "$backend" = redis ] && [ "${#one_core_loads[@]}" -gt 0 ] || continue
+      taskset -a -p -c "${cpus[0]}" "$REDIS_PID" >/dev/null
+      ON_CPU="${cpus[0]}" TS_BIN="${BUILD[$side]}" start_turnstile redis
+      LOAD_CPU="${cpus[1]}" run_loads redis "$side" "$round" "${one_core_loads[@]}"
+      stop "$TS_PID"
+      taskset -a -p -c "$redis_cpus" "$REDIS_PID" >/dev/null
     done
   done
 done

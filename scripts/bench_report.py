@@ -175,7 +175,13 @@ def main(argv):
             w(f"| {r['per_call']} | {fmt_int(r['decisions_per_s'])} | {r['redis_cpu_us_per_decision']:.1f} |")
 
     # Section f's loads: the runs' name, and the load as the table says it.
-    loads = {"ab": "100 000 keys, 2 connections", "ab_issue_load": "the issue's load: 1 000 keys, 4 connections"}
+    one_core = "; turnstile and Redis on one core, the generator on the other"
+    loads = {
+        "ab": "100 000 keys, 2 connections",
+        "ab_issue_load": "the issue's load: 1 000 keys, 4 connections",
+        "ab_one_core": "100 000 keys, 2 connections" + one_core,
+        "ab_one_core_issue_load": "the issue's load: 1 000 keys, 4 connections" + one_core,
+    }
     ab = [r for r in rows if r["name"].split("/")[0] in loads]
 
     def runs_under(prefix):
