@@ -423,8 +423,9 @@ mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)
 one_core_loads=()
 if [ "${#cpus[@]}" -ge 2 ] && command -v taskset >/dev/null; then
   for each in "${loads[@]}"; do one_core_loads+=("${each/ab/ab_one_core}"); done
+  # Where Redis may run again afterwards.
+  redis_cpus="$(taskset -p -c "$REDIS_PID" | awk '{print $NF}')"
 fi
-redis_cpus="$(taskset -p -c "$REDIS_PID" | awk '{print $NF}')"
 # run_loads BACKEND SIDE ROUND LOAD...: the loads against the turnstile just started.
 run_loads() {
   local backend="$1" side="$2" round="$3" each prefix keys connections
