@@ -106,23 +106,29 @@ def main(argv):
             "(the same KEYS/ARGV turnstile sends), against the same Redis in the same run."
         )
 
-    table("p99 at 50% of peak (open loop, fixed window, 100 000 keys)", "| backend | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    def open_loop(backend):
+        """The open-loop runs at half the peak on one backend, in the order they ran."""
+        return sorted(
+            (r for r in rows if r["name"].startswith(f"{backend}/open_loop_50pct/{BIG}/")),
+            key=lambda r: int(r["name"].rsplit("/", 1)[1]),
+        )
+
+    table("p99 at 50% of peak (open loop, fixed window, 100 000 keys, three runs)", "| backend | run | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for backend in ("memory", "redis"):
-        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
         peak = by.get(f"{backend}/fixed_window/{BIG}")
-        if not r or not peak:
-            continue
-        lat = r["latency_ms"]
-        service = r.get("service_ms", {}).get("p99")
-        cpu = r.get("cpu_us_per_call", {})
-        cpu_cell = " · ".join(
-            f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
-        )
-        w(
-            f"| {backend} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
-            f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
-            f"{'' if service is None else f'{service:.3f}'} | {cpu_cell} | {r['errors']} | {r['unsent']} |"
-        )
+        for r in open_loop(backend) if peak else []:
+            run = r["name"].rsplit("/", 1)[1]
+            lat = r["latency_ms"]
+            service = r.get("service_ms", {}).get("p99")
+            cpu = r.get("cpu_us_per_call", {})
+            cpu_cell = " · ".join(
+                f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
+            )
+            w(
+                f"| {backend} | {run} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
+                f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
+                f"{'' if service is None else f'{service:.3f}'} | {cpu_cell} | {r['errors']} | {r['unsent']} |"
+            )
 
     table("Memory at 100 000 keys", "| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |", "|---|---:|---:|---:|---:|---:|")
     for algorithm in ("fixed_window", "sliding_window", "token_bucket"):
@@ -283,16 +289,24 @@ def main(argv):
                 f"{max(r for _, _, r in ratios) * 100:.0f}%",
             )
         )
-    for backend in ("memory", "redis"):
-        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
-        if r:
+    def p99_check(name, backend, bound):
+        """Met when every open-loop run's p99 is within bound and no call failed; the
+        measured cell gives each run's p99 and how many were within it."""
+        runs = open_loop(backend)
+        if runs:
+            p99s = [r["latency_ms"]["p99"] for r in runs]
+            within = sum(p <= bound and r["errors"] == 0 for p, r in zip(p99s, runs))
             checks.append(
                 (
-                    f"p99 ≤ 2 ms at 50% of peak ({backend})",
-                    r["latency_ms"]["p99"] <= 2.0 and r["errors"] == 0,
-                    f"p99 {r['latency_ms']['p99']:.3f} ms at {fmt_int(r['rate'])}/s",
+                    name,
+                    within == len(runs),
+                    f"p99 {' · '.join(f'{p:.3f}' for p in p99s)} ms at {fmt_int(runs[0]['rate'])}/s: "
+                    f"{within} of {len(runs)} runs within {bound:g} ms",
                 )
             )
+
+    for backend in ("memory", "redis"):
+        p99_check(f"p99 ≤ 2 ms at 50% of peak ({backend})", backend, 2.0)
     mem = [by[f"memory/{a}/{k}"]["rps"] for a in ("fixed_window", "sliding_window", "token_bucket") for k in (1, BIG) if f"memory/{a}/{k}" in by]
     if mem:
         checks.append(
@@ -363,9 +377,7 @@ def main(argv):
         errors = ", ".join(f"{r['concurrency']}: {r['errors']}" for r in sorted(healthy, key=lambda r: r["concurrency"]))
         checks.append(("0 errors from a healthy Redis at 64, 256 and 512 in flight", all(r["errors"] == 0 for r in healthy), f"errors by calls in flight: {errors}"))
     for backend, bound in (("memory", 2.0), ("redis", 3.0)):
-        r = by.get(f"{backend}/open_loop_50pct/{BIG}")
-        if r:
-            checks.append((f"issue 15: p99 ≤ {bound:g} ms at 50% of peak ({backend})", r["latency_ms"]["p99"] <= bound, f"p99 {r['latency_ms']['p99']:.3f} ms"))
+        p99_check(f"issue 15: p99 ≤ {bound:g} ms at 50% of peak ({backend})", backend, bound)
     w("| target | met | measured |")
     w("|---|---|---|")
     for name, ok, detail in checks:
