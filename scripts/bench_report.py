@@ -47,6 +47,12 @@ def machine(results_path):
     }
 
 
+def cpu_cell(r):
+    """A run's CPU per call of turnstile, Redis and the generator, as one table cell."""
+    cpu = r.get("cpu_us_per_call", {})
+    return " · ".join(f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench"))
+
+
 def fmt_int(x):
     return f"{int(round(x)):,}".replace(",", "\u202f")
 
@@ -87,15 +93,11 @@ def main(argv):
                     ceiling = fmt_int(c["rps"])
                     ratio = f"{r['rps'] / c['rps'] * 100:.0f}%"
                 lat = r["latency_ms"]
-                cpu = r.get("cpu_us_per_call", {})
-                cpu_cell = " · ".join(
-                    f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
-                )
                 w(
                     f"| {backend} | {labels.get(algorithm, algorithm)} | {fmt_int(keys)} | {fmt_int(r['rps'])} | "
                     f"{fmt_int(r['rps'] * r['descriptors'])} | "
                     f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
-                    f"{fmt_int(r['ok'])} | {fmt_int(r['over_limit'])} | {r['errors']} | {cpu_cell} | {ceiling} | {ratio} |"
+                    f"{fmt_int(r['ok'])} | {fmt_int(r['over_limit'])} | {r['errors']} | {cpu_cell(r)} | {ceiling} | {ratio} |"
                 )
     c = next((r for r in rows if r["name"].startswith("ceiling/")), None)
     if c:
@@ -120,14 +122,10 @@ def main(argv):
             run = r["name"].rsplit("/", 1)[1]
             lat = r["latency_ms"]
             service = r.get("service_ms", {}).get("p99")
-            cpu = r.get("cpu_us_per_call", {})
-            cpu_cell = " · ".join(
-                f"{cpu[p]:.1f}" if p in cpu else "–" for p in ("turnstile", "redis", "bench")
-            )
             w(
                 f"| {backend} | {run} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
                 f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
-                f"{'' if service is None else f'{service:.3f}'} | {cpu_cell} | {r['errors']} | {r['unsent']} |"
+                f"{'' if service is None else f'{service:.3f}'} | {cpu_cell(r)} | {r['errors']} | {r['unsent']} |"
             )
 
     table("Memory at 100 000 keys", "| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |", "|---|---:|---:|---:|---:|---:|")
