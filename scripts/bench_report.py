@@ -108,12 +108,13 @@ def main(argv):
             "(the same KEYS/ARGV turnstile sends), against the same Redis in the same run."
         )
 
+    def runs_under(prefix):
+        """The runs named under prefix, round by round (a name ends with its round)."""
+        return sorted((r for r in rows if r["name"].startswith(prefix)), key=lambda r: r["name"])
+
     def open_loop(backend):
         """The open-loop runs at half the peak on one backend, in the order they ran."""
-        return sorted(
-            (r for r in rows if r["name"].startswith(f"{backend}/open_loop_50pct/{BIG}/")),
-            key=lambda r: int(r["name"].rsplit("/", 1)[1]),
-        )
+        return runs_under(f"{backend}/open_loop_50pct/{BIG}/")
 
     table("p99 at 50% of peak (open loop, fixed window, 100 000 keys, three runs)", "| backend | run | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for backend in ("memory", "redis"):
@@ -187,10 +188,6 @@ def main(argv):
         "ab_one_core_issue_load": "the issue's load: 1 000 keys, 4 connections" + one_core,
     }
     ab = [r for r in rows if r["name"].split("/")[0] in loads]
-
-    def runs_under(prefix):
-        """The runs named under prefix, round by round (a name ends with its round)."""
-        return sorted((r for r in rows if r["name"].startswith(prefix)), key=lambda r: r["name"])
 
     def rounds(backend, side, load="ab"):
         """The before/after runs of one build on one backend, under one of section f's loads."""
