@@ -103,11 +103,6 @@ pub struct BenchArgs {
     /// time. Without it the loop is closed.
     #[arg(long)]
     pub rate: Option<f64>,
-    /// Open loop: longest the pacer sleeps between releases of due calls. Shorter is more
-    /// precise (a call may leave up to this late, which its latency includes) and costs more
-    /// wake-ups.
-    #[arg(long, value_parser = duration, default_value = "100us")]
-    pub pacer_tick: Duration,
     /// Bound on one call; a call past it counts as an error.
     #[arg(long, value_parser = duration, default_value = "1s")]
     pub timeout: Duration,
@@ -301,26 +296,26 @@ struct Run {
     measure_from: Instant,
     until: Instant,
     /// Open loop: when calls are due.
-    schedule: Option<Schedule>,
+    schedule: Option<Arc<Schedule>>,
     /// Measured calls claimed, for `--requests` (closed loop).
     measured: AtomicU64,
     cap: u64,
 }
 
-/// An open loop's timetable: call `i` is due `i / rate` seconds after `start`. A pacer
-/// thread releases each call (one semaphore permit) when it falls due; a free worker takes
-/// it at once. The pacer sleeps until the next due time, or `--pacer-tick` at most, so a call
-/// may leave up to that much (plus the thread's wake-up) after its due time; latency counts
-/// from the due time, so that delay is included, never hidden, and the service time (send to
-/// answer) is reported beside it.
+/// An open loop's timetable: call `i` is due `i / rate` seconds after `start`. A pacer task
+/// releases each call (one semaphore permit) when it falls due; a free worker takes it at
+/// once. The pacer sleeps on a [`PreciseTimer`] until the next due time, so a call leaves
+/// after its due time by the runtime's wake-up (and any wait for a free worker); latency
+/// counts from the due time, so that delay is included, never hidden, and the service time
+/// (send to answer) is reported beside it.
 struct Schedule {
     /// Every call of the run, the warm-up's included.
     timetable: Timetable,
-    released: Arc<tokio::sync::Semaphore>,
+    released: tokio::sync::Semaphore,
     /// Next call to take.
-    next: Arc<AtomicU64>,
+    next: AtomicU64,
     /// Calls due but never sent, set when the pacer ends.
-    unsent: Arc<AtomicU64>,
+    unsent: AtomicU64,
 }
 
 /// When each call of an open loop is due: call `i` at `i / rate` seconds after `start`. The
@@ -351,6 +346,51 @@ impl Timetable {
     }
 }
 
+/// A one-shot timer precise to the microsecond that the generator's runtime waits on like a
+/// socket: a Linux timerfd registered with its reactor. The runtime's own timers tick in
+/// milliseconds, too coarse to space calls at tens of thousands a second; a thread of its own
+/// that sleeps and then wakes the runtime costs two context switches per release, and on a
+/// VM each costs several µs of a core the measured service shares.
+struct PreciseTimer(tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>);
+
+impl PreciseTimer {
+    fn new() -> std::io::Result<PreciseTimer> {
+        use rustix::time::{TimerfdClockId, TimerfdFlags, timerfd_create};
+        let fd = timerfd_create(
+            TimerfdClockId::Monotonic,
+            TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
+        )?;
+        // SAFETY: the descriptor is owned by the `OwnedFd` that the `AsyncFd` owns, and it
+        // is never closed or replaced while registered.
+        let fd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+        }?;
+        Ok(PreciseTimer(fd))
+    }
+
+    /// Wait `wait` (none when zero: a zero timerfd is disarmed and would never fire).
+    async fn sleep(&self, wait: Duration) -> std::io::Result<()> {
+        use rustix::time::{Itimerspec, TimerfdTimerFlags, Timespec, timerfd_settime};
+        if wait.is_zero() {
+            return Ok(());
+        }
+        let value = Timespec::try_from(wait).map_err(std::io::Error::other)?;
+        let once = Itimerspec {
+            it_interval: Timespec::default(),
+            it_value: value,
+        };
+        timerfd_settime(self.0.get_ref(), TimerfdTimerFlags::empty(), &once)?;
+        loop {
+            let mut ready = self.0.readable().await?;
+            // Reading the expiry count rearms readiness; WouldBlock means it was stale.
+            match ready.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut [0u8; 8])?)) {
+                Ok(expired) => return expired.map(drop),
+                Err(_stale) => continue,
+            }
+        }
+    }
+}
+
 impl Schedule {
     fn new(start: Instant, rate: f64, seconds: f64, cap: u64, warmup_calls: u64) -> Schedule {
         let mut total = (seconds * rate).ceil() as u64;
@@ -363,47 +403,54 @@ impl Schedule {
                 rate,
                 total,
             },
-            released: Arc::new(tokio::sync::Semaphore::new(0)),
-            next: Arc::new(AtomicU64::new(0)),
-            unsent: Arc::new(AtomicU64::new(0)),
+            released: tokio::sync::Semaphore::new(0),
+            next: AtomicU64::new(0),
+            unsent: AtomicU64::new(0),
         }
     }
 
-    /// Release calls as they fall due, on a thread of its own (a runtime timer is only
-    /// precise to the millisecond). Once all are released it waits for them to be taken, at
-    /// most `grace` past the end, then counts the rest as unsent and stops the workers.
-    fn spawn_pacer(&self, tick: Duration, grace: Duration) -> std::thread::JoinHandle<()> {
-        let (released, next, unsent) = (
-            self.released.clone(),
-            self.next.clone(),
-            self.unsent.clone(),
-        );
-        let timetable = self.timetable;
+    /// Release calls as they fall due: a task on the generator's own runtime. Once all are
+    /// released it waits for them to be taken, at most `grace` past the end, then counts the
+    /// rest as unsent. Then, or on the timer's failure, it stops the workers.
+    async fn pace(self: Arc<Self>, grace: Duration) -> std::io::Result<()> {
+        let paced = self.release(grace).await;
+        self.released.close();
+        paced
+    }
+
+    /// The pacer's work: every call released on time, then the wait for the last ones.
+    async fn release(&self, grace: Duration) -> std::io::Result<()> {
+        let timer = PreciseTimer::new()?;
+        let Schedule {
+            timetable,
+            released,
+            next,
+            unsent,
+        } = self;
         let total = timetable.total;
-        let end = timetable.due(total) + grace;
-        std::thread::spawn(move || {
-            let mut done = 0u64;
-            while done < total {
-                let now = std::time::Instant::now();
-                let due = timetable.due_at(done, now);
-                if due > done {
-                    released.add_permits((due - done) as usize);
-                    done = due;
-                }
-                if done < total {
-                    let wait = timetable.due(done).saturating_duration_since(now);
-                    std::thread::sleep(wait.min(tick));
-                }
+        let mut done = 0u64;
+        while done < total {
+            let now = std::time::Instant::now();
+            let due = timetable.due_at(done, now);
+            if due > done {
+                released.add_permits((due - done) as usize);
+                done = due;
             }
-            while next.load(Ordering::Relaxed) < total && std::time::Instant::now() < end {
-                std::thread::sleep(Duration::from_millis(1));
+            if done < total {
+                timer
+                    .sleep(timetable.due(done).saturating_duration_since(now))
+                    .await?;
             }
-            unsent.store(
-                total.saturating_sub(next.load(Ordering::Relaxed)),
-                Ordering::Relaxed,
-            );
-            released.close();
-        })
+        }
+        let end = Instant::from_std(timetable.due(total)) + grace;
+        while next.load(Ordering::Relaxed) < total && Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        unsent.store(
+            total.saturating_sub(next.load(Ordering::Relaxed)),
+            Ordering::Relaxed,
+        );
+        Ok(())
     }
 
     /// The next due call's time, once it is due; None when the run is over.
@@ -827,15 +874,21 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         schedule: args.rate.map(|rate| {
             let seconds = (args.warmup + args.duration).as_secs_f64();
             let warmup_calls = (args.warmup.as_secs_f64() * rate).ceil() as u64;
-            Schedule::new(start, rate, seconds, args.requests, warmup_calls)
+            Arc::new(Schedule::new(
+                start,
+                rate,
+                seconds,
+                args.requests,
+                warmup_calls,
+            ))
         }),
         measured: AtomicU64::new(0),
         cap: args.requests,
     });
     let pacer = run
         .schedule
-        .as_ref()
-        .map(|schedule| schedule.spawn_pacer(args.pacer_tick, args.timeout));
+        .clone()
+        .map(|schedule| tokio::spawn(schedule.pace(args.timeout)));
 
     // CPU is sampled when counting starts and once every worker is done.
     let cpu_at_start = tokio::spawn({
@@ -869,8 +922,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     let cpu_at_end = cpu_snapshot(&args.watch);
     if let Some(pacer) = pacer {
         pacer
-            .join()
-            .map_err(|_| anyhow::anyhow!("the pacer failed"))?;
+            .await
+            .context("the pacer failed")?
+            .context("the pacer's timer failed")?;
     }
     let cpu_at_start = cpu_at_start.await.context("the CPU sampler failed")?;
     let cpu = cpu_at_start
@@ -987,6 +1041,22 @@ mod tests {
                 let expected = ((ms as f64 / 1e3 * rate).floor() as u64 + 1).min(timetable.total);
                 assert!(done.abs_diff(expected) <= 1, "{rate}/s at {ms} ms: {done}");
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_precise_timer_waits_its_wait_each_time_and_not_at_all_for_none() {
+        let timer = PreciseTimer::new().expect("a timerfd");
+        // In turn, so an expiry read by one wait cannot end the next one early.
+        for micros in [300, 0, 50, 2_000, 0, 120] {
+            let wait = Duration::from_micros(micros);
+            let start = std::time::Instant::now();
+            tokio::time::timeout(Duration::from_secs(5), timer.sleep(wait))
+                .await
+                .expect("the timer fires")
+                .expect("the timer works");
+            let waited = start.elapsed();
+            assert!(waited >= wait, "{wait:?}: woke after {waited:?}");
         }
     }
 
