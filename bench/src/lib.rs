@@ -348,9 +348,11 @@ impl Timetable {
 
 /// A one-shot timer precise to the microsecond that the generator's runtime waits on like a
 /// socket: a Linux timerfd registered with its reactor. The runtime's own timers tick in
-/// milliseconds, too coarse to space calls at tens of thousands a second; a thread of its own
-/// that sleeps and then wakes the runtime costs two context switches per release, and on a
-/// VM each costs several µs of a core the measured service shares.
+/// milliseconds, too coarse to space calls at tens of thousands a second. It replaced a pacer
+/// thread that slept and then woke the runtime: one thread fewer competing for the cores the
+/// measured service shares, and a lower p99 at half the peak in interleaved runs, though
+/// arming it for every release costs the generator more CPU (about 4 µs a call on a VM,
+/// where programming a timer traps to the host; BENCHMARKS.md).
 struct PreciseTimer(tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>);
 
 impl PreciseTimer {
