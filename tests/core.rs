@@ -2047,7 +2047,8 @@ async fn environment_probe() {
 
 /// The load generator the benchmarks read (`turnstile-bench`) against the real binary: an
 /// open loop sends each call of its timetable once, none late enough to go unsent, and counts
-/// every answer by its code (a limit of 400 an hour, 500 calls on one key).
+/// every answer by its code (a limit of 400 an hour, 500 calls on one key), and every error
+/// by its gRPC code (an empty domain, refused as invalid in a trailers-only answer).
 #[tokio::test]
 async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_answers() {
     use clap::Parser;
@@ -2056,40 +2057,56 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
     );
     let t = Turnstile::start(rules.path(), &[]).await;
     let target = t.grpc.to_string();
-    let args = turnstile_bench::Cli::parse_from([
-        "turnstile-bench",
-        "--target",
-        &target,
-        "--domain",
-        "gen",
-        "--key",
-        "k",
-        "--keys",
-        "1",
-        "--rate",
-        "1000",
-        "--duration",
-        "500ms",
-        "--warmup",
-        "0s",
-        "--threads",
-        "1",
-    ])
-    .args;
-    let report = turnstile_bench::run(args).await.expect("the load runs");
-    assert_eq!(
-        (
-            report.calls,
-            report.ok,
-            report.over_limit,
-            report.errors_total(),
-            report.unsent
-        ),
-        (500, 400, 100, 0, 0),
-        "{}",
-        report.text()
-    );
-    assert!(report.latency_ms(0.5) > 0.0, "{}", report.text());
+    // domain, then (calls, OK, OVER_LIMIT, errors, unsent) and the errors by kind.
+    let cases: [(&str, (u64, u64, u64, u64, u64), &[(&str, u64)]); 2] = [
+        ("gen", (500, 400, 100, 0, 0), &[]),
+        ("", (500, 0, 0, 500, 0), &[("InvalidArgument", 500)]),
+    ];
+    for (domain, counts, kinds) in cases {
+        let args = turnstile_bench::Cli::parse_from([
+            "turnstile-bench",
+            "--target",
+            &target,
+            "--domain",
+            domain,
+            "--key",
+            "k",
+            "--keys",
+            "1",
+            "--rate",
+            "1000",
+            "--duration",
+            "500ms",
+            "--warmup",
+            "0s",
+            "--threads",
+            "1",
+        ])
+        .args;
+        let report = turnstile_bench::run(args).await.expect("the load runs");
+        assert_eq!(
+            (
+                report.calls,
+                report.ok,
+                report.over_limit,
+                report.errors_total(),
+                report.unsent
+            ),
+            counts,
+            "domain {domain:?}: {}",
+            report.text()
+        );
+        let kinds: std::collections::BTreeMap<String, u64> =
+            kinds.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect();
+        assert_eq!(report.errors, kinds, "domain {domain:?}: {}", report.text());
+        // Answers are timed; errors are only counted.
+        assert_eq!(
+            report.latency_ms(0.5) > 0.0,
+            report.ok + report.over_limit > 0,
+            "{}",
+            report.text()
+        );
+    }
 }
 
 /// A request body as bytes on the wire: `data`, then the end of the stream, or (`stall`)

@@ -29,6 +29,8 @@ use tokio::time::Instant;
 use tonic::codegen::{Body, Bytes, StdError};
 use tonic::transport::{Channel, Endpoint};
 
+mod grpc;
+
 /// The message of the DEADLINE_EXCEEDED a call gets when it passes the client-side bound.
 pub const CLIENT_TIMEOUT: &str = "client timeout";
 
@@ -505,14 +507,27 @@ pub trait Calls: Send {
     fn record(&mut self, call: Call);
 }
 
-/// A closed-loop worker: sends each call of `calls` when the one before has answered, on
-/// `clients` in turn from `first`, each bounded by `timeout`. Returns `calls` when it ends.
-pub async fn worker<C: Calls, S>(
-    mut calls: C,
-    mut clients: Vec<RateLimitServiceClient<S>>,
-    first: usize,
-    timeout: Duration,
-) -> C
+/// What a [`worker`] sends its calls through.
+pub trait Client: Send {
+    /// One ShouldRateLimit call: the answer, or the gRPC status it failed with.
+    fn call(
+        &mut self,
+        request: RateLimitRequest,
+    ) -> impl Future<Output = Result<RateLimitResponse, tonic::Status>> + Send;
+}
+
+/// The generator's own client: a bare HTTP/2 connection ([`grpc`]).
+impl Client for grpc::Connection {
+    async fn call(
+        &mut self,
+        request: RateLimitRequest,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        grpc::Connection::call(self, &request).await
+    }
+}
+
+/// Tonic's generated client, as turnstile's tests use it.
+impl<S> Client for RateLimitServiceClient<S>
 where
     S: tonic::client::GrpcService<tonic::body::Body> + Send,
     S::Error: Into<StdError>,
@@ -520,16 +535,33 @@ where
     S::ResponseBody: Body<Data = Bytes> + Send + 'static,
     <S::ResponseBody as Body>::Error: Into<StdError> + Send,
 {
+    async fn call(
+        &mut self,
+        request: RateLimitRequest,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        self.should_rate_limit(request)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
+/// A closed-loop worker: sends each call of `calls` when the one before has answered, on
+/// `clients` in turn from `first`, each bounded by `timeout`. Returns `calls` when it ends.
+pub async fn worker<C: Calls, K: Client>(
+    mut calls: C,
+    mut clients: Vec<K>,
+    first: usize,
+    timeout: Duration,
+) -> C {
     let mut turn = first;
     while let Some((due, request)) = calls.next().await {
         let count = clients.len();
         let client = &mut clients[turn % count];
         turn = turn.wrapping_add(1);
         let sent = std::time::Instant::now();
-        let answer = match tokio::time::timeout(timeout, client.should_rate_limit(request)).await {
-            Ok(answer) => answer.map(tonic::Response::into_inner),
-            Err(_) => Err(tonic::Status::deadline_exceeded(CLIENT_TIMEOUT)),
-        };
+        let answer = tokio::time::timeout(timeout, client.call(request))
+            .await
+            .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(CLIENT_TIMEOUT)));
         calls.record(Call {
             due,
             sent,
@@ -586,77 +618,11 @@ pub async fn channel(target: &str) -> anyhow::Result<Channel> {
         .with_context(|| format!("cannot connect to {uri}"))
 }
 
-/// One HTTP/2 connection as the generated client's transport. The generator does not use
-/// tonic's `Channel`: a `Channel` hands each call to a buffer task of its own before the
-/// connection's task sees it, a hop (and often a wake-up) per call that an open loop's
-/// spaced-out calls pay in full. A call on a connection that failed is an error, counted as
-/// such; nothing reconnects.
-#[derive(Clone)]
-struct Connection(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
-
-impl tower_service::Service<http::Request<tonic::body::Body>> for Connection {
-    type Response = http::Response<hyper::body::Incoming>;
-    type Error = hyper::Error;
-    type Future = std::pin::Pin<
-        Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
-        Box::pin(self.0.send_request(request))
-    }
-}
-
-/// A client of `target` (`host:port`, or an `http://` URI) over a connection of its own.
-async fn connection(target: &str) -> anyhow::Result<RateLimitServiceClient<Connection>> {
-    let uri = target_uri(target);
-    let origin: http::Uri = uri
-        .parse()
-        .with_context(|| format!("invalid target {target}"))?;
-    anyhow::ensure!(
-        origin.scheme_str() == Some("http") && origin.port().is_some(),
-        "target {target}: expected host:port or http://host:port"
-    );
-    let address = origin
-        .authority()
-        .map(|a| a.as_str().to_owned())
-        .unwrap_or_default();
-    let connect = async {
-        let tcp = tokio::net::TcpStream::connect(&address).await?;
-        tcp.set_nodelay(true)?;
-        let (send, driver) = hyper::client::conn::http2::handshake(
-            hyper_util::rt::TokioExecutor::new(),
-            hyper_util::rt::TokioIo::new(tcp),
-        )
-        .await
-        .map_err(std::io::Error::other)?;
-        tokio::spawn(driver);
-        std::io::Result::Ok(send)
-    };
-    let send = tokio::time::timeout(Duration::from_secs(5), connect)
-        .await
-        .map_err(|_| anyhow::anyhow!("connecting to {uri} timed out"))?
-        .with_context(|| format!("cannot connect to {uri}"))?;
-    Ok(RateLimitServiceClient::with_origin(
-        Connection(send),
-        origin,
-    ))
-}
-
-async fn connect(
-    targets: &[String],
-    per_target: usize,
-) -> anyhow::Result<Vec<RateLimitServiceClient<Connection>>> {
+async fn connect(targets: &[String], per_target: usize) -> anyhow::Result<Vec<grpc::Connection>> {
     let mut clients = Vec::with_capacity(targets.len() * per_target);
     for _ in 0..per_target {
         for target in targets {
-            clients.push(connection(target).await?);
+            clients.push(grpc::connect(target).await?);
         }
     }
     Ok(clients)
