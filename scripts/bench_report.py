@@ -262,7 +262,7 @@ def main(argv):
     if crit:
         table("Rule matching, 10 000 rules (criterion, median)", "| benchmark | median | mean |", "|---|---:|---:|")
         for r in sorted(crit, key=lambda r: r["name"]):
-            w(f"| `{r['name'].removeprefix('criterion/')}` | {r['median_ns']:,} ns | {r['mean_ns']:,} ns |")
+            w(f"| `{r['name'].removeprefix('criterion/')}` | {fmt_int(r['median_ns'])} ns | {fmt_int(r['mean_ns'])} ns |")
 
     w("")
     w("### Targets")
