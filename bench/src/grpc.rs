@@ -81,9 +81,10 @@ impl Connection {
             .header(http::header::TE, "trailers")
             .body(())
             .map_err(|e| tonic::Status::internal(e.to_string()))?;
-        let mut body = BytesMut::with_capacity(PREFIX + request.encoded_len());
+        let length = request.encoded_len();
+        let mut body = BytesMut::with_capacity(PREFIX + length);
         body.put_u8(0);
-        body.put_u32(request.encoded_len() as u32);
+        body.put_u32(length as u32);
         request
             .encode(&mut body)
             .map_err(|e| tonic::Status::internal(e.to_string()))?;
