@@ -70,11 +70,11 @@ fn unavailable(error: h2::Error) -> tonic::Status {
     tonic::Status::unavailable(error.to_string())
 }
 
-impl Connection {
-    /// One ShouldRateLimit call: the answer, or the gRPC status it failed with.
-    pub async fn call(
+/// The generator's own client.
+impl super::Client for Connection {
+    async fn call(
         &mut self,
-        request: &RateLimitRequest,
+        request: RateLimitRequest,
     ) -> Result<RateLimitResponse, tonic::Status> {
         let head = http::Request::post(self.uri.clone())
             .header(http::header::CONTENT_TYPE, "application/grpc")

@@ -516,16 +516,6 @@ pub trait Client: Send {
     ) -> impl Future<Output = Result<RateLimitResponse, tonic::Status>> + Send;
 }
 
-/// The generator's own client: a bare HTTP/2 connection ([`grpc`]).
-impl Client for grpc::Connection {
-    async fn call(
-        &mut self,
-        request: RateLimitRequest,
-    ) -> Result<RateLimitResponse, tonic::Status> {
-        grpc::Connection::call(self, &request).await
-    }
-}
-
 /// Tonic's generated client, as turnstile's tests use it.
 impl<S> Client for RateLimitServiceClient<S>
 where
