@@ -339,9 +339,15 @@ pub struct ServeArgs {
     /// no other thread.
     #[arg(long, env = "TURNSTILE_GRPC_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
     pub grpc_threads: u16,
-    /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT", default_value_t = 10_000)]
+    /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED. A
+    /// ShouldRateLimit call counts from when its message has arrived.
+    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT", default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_in_flight: usize,
+    /// Most streams (calls) one gRPC connection may have open at once, advertised to the
+    /// client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client that opens more has them
+    /// refused, and an HTTP/2 client such as Envoy opens another connection instead.
+    #[arg(long, env = "TURNSTILE_GRPC_MAX_STREAMS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub grpc_max_streams: u32,
     /// Largest gRPC request accepted, in bytes.
     #[arg(long, env = "TURNSTILE_MAX_MESSAGE_BYTES", default_value_t = 1 << 20)]
     pub max_message_bytes: usize,

@@ -12,6 +12,11 @@
 //! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout` or the
 //! request timeout, whichever is shorter, taken when the call arrives. A body that has not arrived by then is
 //! answered DEADLINE_EXCEEDED; a body already here needs no timer.
+//!
+//! A call takes its place among the calls in flight (the process's cap on them) once its
+//! message has arrived, not when its stream opens: streams that never send their message
+//! then hold no place, so one client opening many cannot leave others none (they are cut
+//! at the deadline, and HTTP/2 bounds them per connection).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,9 +28,11 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use http::{HeaderMap, HeaderValue, header};
 use http_body::{Body as _, Frame};
 use prost::Message;
+use tokio::sync::Semaphore;
 use tonic::Status;
 use tonic::body::Body;
-use tower::{Layer, Service};
+use tower::util::Oneshot;
+use tower::{Layer, Service, ServiceExt};
 
 use crate::backend::Backend;
 use crate::deadline::{Deadline, grpc_timeout};
@@ -38,17 +45,25 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
 const PREFIX: usize = 5;
 
-/// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`.
+/// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`, each
+/// call holding a place in `in_flight` from its message's arrival to its answer (none free:
+/// RESOURCE_EXHAUSTED at once).
 pub struct ShouldRateLimitLayer<B> {
     limiter: Arc<RateLimiter<B>>,
     max_message_bytes: usize,
+    in_flight: Arc<Semaphore>,
 }
 
 impl<B> ShouldRateLimitLayer<B> {
-    pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize) -> Self {
+    pub fn new(
+        limiter: Arc<RateLimiter<B>>,
+        max_message_bytes: usize,
+        in_flight: Arc<Semaphore>,
+    ) -> Self {
         ShouldRateLimitLayer {
             limiter,
             max_message_bytes,
+            in_flight,
         }
     }
 }
@@ -58,6 +73,7 @@ impl<B> Clone for ShouldRateLimitLayer<B> {
         ShouldRateLimitLayer {
             limiter: Arc::clone(&self.limiter),
             max_message_bytes: self.max_message_bytes,
+            in_flight: Arc::clone(&self.in_flight),
         }
     }
 }
@@ -89,22 +105,25 @@ impl<S: Clone, B> Clone for ShouldRateLimit<S, B> {
 
 type Answered = Pin<Box<dyn Future<Output = http::Response<Body>> + Send>>;
 
+/// Always ready: this edge waits for nothing before a call, and readiness taken from the
+/// inner service (a place among the calls in flight, say) would be held for calls that never
+/// reach it. A call for the inner service gets a clone of it, readied for that call alone.
 impl<S, B> Service<http::Request<Body>> for ShouldRateLimit<S, B>
 where
-    S: Service<http::Request<Body>, Response = http::Response<Body>>,
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone,
     B: Backend,
 {
     type Response = http::Response<Body>;
     type Error = S::Error;
-    type Future = Routed<S::Future>;
+    type Future = Routed<Oneshot<S, http::Request<Body>>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         if request.uri().path() != SHOULD_RATE_LIMIT {
-            return Routed::Inner(Box::pin(self.inner.call(request)));
+            return Routed::Inner(Box::pin(self.inner.clone().oneshot(request)));
         }
         Routed::Here(Box::pin(self.edge.clone().answer(request)))
     }
@@ -154,6 +173,9 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
                 return Status::deadline_exceeded("the request's message did not arrive in time")
                     .into_http();
             }
+        };
+        let Ok(_in_flight) = self.in_flight.try_acquire() else {
+            return Status::resource_exhausted("too many calls in flight").into_http();
         };
         let request = match RateLimitRequest::decode(message) {
             Ok(request) => request,

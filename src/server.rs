@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -419,22 +419,27 @@ async fn run<B: Backend>(
         threads,
     );
     tracing::info!(threads, "serving gRPC");
-    // One cap on calls in flight for all serving threads.
-    let in_flight = GlobalConcurrencyLimitLayer::new(args.max_in_flight);
+    // One cap on calls in flight for all serving threads: `ShouldRateLimit` takes its place
+    // once its message is here (`grpc`), the other methods as they start.
+    let in_flight = Arc::new(Semaphore::new(args.max_in_flight));
     let quota = Arc::new(quota);
     let mut servers = Vec::with_capacity(threads);
     for (n, handoff) in handoffs.into_iter().enumerate() {
         let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
             .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
+            .max_concurrent_streams(args.grpc_max_streams)
             .layer(
                 tower::ServiceBuilder::new()
                     .layer(GrpcMetricsLayer::new(metrics.clone()))
-                    .load_shed()
-                    .layer(in_flight.clone())
                     .layer(ShouldRateLimitLayer::new(
                         limiter.clone(),
                         args.max_message_bytes,
+                        in_flight.clone(),
+                    ))
+                    .load_shed()
+                    .layer(GlobalConcurrencyLimitLayer::with_semaphore(
+                        in_flight.clone(),
                     )),
             )
             .add_service(health_service.clone())

@@ -2155,28 +2155,40 @@ impl http_body::Body for RawBody {
     }
 }
 
-/// Call ShouldRateLimit with `body` as it is and the caller's `grpc_timeout`; its gRPC
-/// status, from the headers (trailers-only) or the trailers.
-async fn raw_should_rate_limit(t: &Turnstile, grpc_timeout: &str, body: RawBody) -> tonic::Status {
-    use http_body::Body as _;
+/// A raw HTTP/2 connection to turnstile's gRPC port, and the task driving it.
+async fn raw_connection(
+    t: &Turnstile,
+) -> (
+    hyper::client::conn::http2::SendRequest<RawBody>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+) {
     let tcp = tokio::net::TcpStream::connect(t.grpc).await.unwrap();
-    let (mut send, connection) = hyper::client::conn::http2::handshake(
+    let (send, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(tcp),
     )
     .await
     .unwrap();
-    let driver = tokio::spawn(connection);
-    let request = http::Request::post(format!(
-        "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-        t.grpc
-    ))
+    (send, tokio::spawn(connection))
+}
+
+/// Call ShouldRateLimit over `send` with `body` as it is and the caller's `grpc_timeout`; its
+/// gRPC status, from the headers (trailers-only) or the trailers.
+async fn raw_call(
+    mut send: hyper::client::conn::http2::SendRequest<RawBody>,
+    grpc_timeout: &str,
+    body: RawBody,
+) -> tonic::Status {
+    use http_body::Body as _;
+    let request = http::Request::post(
+        "http://turnstile/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    )
     .header("content-type", "application/grpc")
     .header("te", "trailers")
     .header("grpc-timeout", grpc_timeout)
     .body(body)
     .unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+    tokio::time::timeout(Duration::from_secs(5), async {
         let response = send.send_request(request).await.unwrap();
         let (parts, mut body) = response.into_parts();
         let mut found = parts.headers;
@@ -2190,9 +2202,83 @@ async fn raw_should_rate_limit(t: &Turnstile, grpc_timeout: &str, body: RawBody)
         tonic::Status::from_header_map(&found).expect("a grpc-status")
     })
     .await
-    .expect("an answer within 5 s");
+    .expect("an answer within 5 s")
+}
+
+/// Call ShouldRateLimit with `body` as it is, over a connection of its own.
+async fn raw_should_rate_limit(t: &Turnstile, grpc_timeout: &str, body: RawBody) -> tonic::Status {
+    let (send, driver) = raw_connection(t).await;
+    let answer = raw_call(send, grpc_timeout, body).await;
     driver.abort();
     answer
+}
+
+/// A gRPC message's framing: the compressed flag, the length, the body.
+fn framed(flag: u8, length: usize, body: &[u8]) -> bytes::Bytes {
+    let mut data = vec![flag];
+    data.extend_from_slice(&(length as u32).to_be_bytes());
+    data.extend_from_slice(body);
+    bytes::Bytes::from(data)
+}
+
+/// Streams whose message never comes hold no place among the calls in flight: one connection
+/// opens 16 of them against `--max-in-flight 4`, and another client's call is still decided,
+/// not refused RESOURCE_EXHAUSTED. The server advertises 8 streams per connection, so the
+/// client holds back half of them until the first 8 are cut for want of their message
+/// (within the 1 s request timeout): all are answered DEADLINE_EXCEEDED, in two rounds.
+#[tokio::test]
+async fn stalled_streams_hold_no_place_among_the_calls_in_flight() {
+    use prost::Message;
+    let (_rules, t) = start(&[
+        "--max-in-flight",
+        "4",
+        "--grpc-max-streams",
+        "8",
+        "--request-timeout",
+        "1s",
+    ])
+    .await;
+    let message = request("test", vec![descriptor(&[("minute", "stalled")])]).encode_to_vec();
+    let (send, driver) = raw_connection(&t).await;
+    // Let the server's SETTINGS (its cap on streams) arrive before the streams open.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let opened = std::time::Instant::now();
+    let stalled: Vec<_> = (0..16)
+        .map(|_| {
+            let body = RawBody {
+                data: Some(framed(0, message.len(), b"")),
+                stall: true,
+            };
+            let send = send.clone();
+            tokio::spawn(async move {
+                let status = raw_call(send, "1H", body).await;
+                (status.code(), opened.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let whole = RawBody {
+        data: Some(framed(0, message.len(), &message)),
+        stall: false,
+    };
+    let decided = raw_should_rate_limit(&t, "5S", whole).await;
+    assert_eq!(decided.code(), tonic::Code::Ok, "{decided:?}");
+    let mut cut = Vec::new();
+    for stream in stalled {
+        let (code, at) = stream.await.unwrap();
+        assert_eq!(
+            code,
+            tonic::Code::DeadlineExceeded,
+            "a stalled stream at {at:?}"
+        );
+        cut.push(at);
+    }
+    driver.abort();
+    cut.sort();
+    assert!(
+        cut[8] - cut[7] > Duration::from_millis(400),
+        "8 streams open at a time, cut in two rounds: {cut:?}"
+    );
 }
 
 /// The gRPC edge reads ShouldRateLimit's framing itself: each way a body can be wrong gets
@@ -2202,12 +2288,6 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
     use prost::Message;
     let (_rules, t) = start(&["--max-message-bytes", "4096", "--request-timeout", "500ms"]).await;
     let message = request("test", vec![descriptor(&[("minute", "framing")])]).encode_to_vec();
-    let framed = |flag: u8, length: usize, body: &[u8]| {
-        let mut data = vec![flag];
-        data.extend_from_slice(&(length as u32).to_be_bytes());
-        data.extend_from_slice(body);
-        bytes::Bytes::from(data)
-    };
     let whole = |data| RawBody {
         data: Some(data),
         stall: false,
