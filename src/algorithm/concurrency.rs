@@ -37,6 +37,9 @@ impl State {
 impl Algorithm for Concurrency {
     type State = State;
     const IN_FLIGHT: bool = true;
+    /// One lease per request in flight, each named by its request, and every decision reads
+    /// them all.
+    const MAX_LIMIT: Option<u32> = Some(10_000);
 
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let max = u64::from(limit.requests_per_unit);
@@ -85,6 +88,12 @@ impl Algorithm for Concurrency {
 
     fn expires_at(state: &State, _limit: &Limit) -> Micros {
         state.leases.values().copied().max().unwrap_or(0)
+    }
+
+    /// The map's slots (with their control bytes) and each lease's name.
+    fn heap_bytes(state: &State) -> usize {
+        let slots = state.leases.capacity() * (std::mem::size_of::<(String, Micros)>() + 1);
+        slots + state.leases.keys().map(String::capacity).sum::<usize>()
     }
 }
 

@@ -55,6 +55,12 @@ pub trait Algorithm {
 
     /// The instant after which the state is equivalent to `Default`, so it can be dropped.
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;
+
+    /// The bytes the state holds on the heap, for a backend that caps the bytes of the state
+    /// it keeps: state that grows with admissions (a log, leases) counts, not only its key.
+    fn heap_bytes(_state: &Self::State) -> usize {
+        0
+    }
 }
 
 /// Expands the registry: the modules, and what each `Kind` stands for.
@@ -111,6 +117,13 @@ macro_rules! expand {
                             expires_at
                         }
                     )+
+                }
+            }
+
+            /// See [`Algorithm::heap_bytes`].
+            pub fn heap_bytes(&self) -> usize {
+                match self {
+                    $(KeyState::$kind(state) => $module::$kind::heap_bytes(state),)+
                 }
             }
         }

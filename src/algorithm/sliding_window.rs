@@ -61,6 +61,10 @@ impl Algorithm for SlidingWindow {
     /// One log entry per admission.
     const MAX_LIMIT: Option<u32> = Some(10_000);
 
+    fn heap_bytes(state: &State) -> usize {
+        state.entries.capacity() * std::mem::size_of::<(Micros, u64)>()
+    }
+
     fn check(state: &State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome {
         let hits = cost.units;
         let window = window_micros(limit);

@@ -5,7 +5,9 @@
 //! charges. Locks are held for microseconds and never across an await. Expired state is
 //! equivalent to fresh state, so it is dropped lazily and by a periodic sweep, and caps on
 //! live keys and on their bytes bound memory whatever keys clients invent: a count alone
-//! would let long keys (a descriptor is up to a few KiB) cost a hundred times more.
+//! would let long keys (a descriptor is up to a few KiB) cost a hundred times more. A key's
+//! bytes include its state's, which for a sliding window's log or a concurrency limit's
+//! leases grows with admissions.
 //!
 //! A full shard makes room by eviction, as in-process limiters and caches do, instead of
 //! failing: a failure would be answered by the failure policy (by default an error, which
@@ -51,7 +53,7 @@ const ENTRY_OVERHEAD: usize =
 /// find one of the least recently used few percent, at a constant cost per eviction.
 const EVICTION_SAMPLES: usize = 5;
 
-/// The bytes an entry for `key` is accounted.
+/// The bytes an entry for `key` is accounted before its state's own (`Entry::bytes`).
 fn entry_bytes(key: &str) -> usize {
     key.len() + ENTRY_OVERHEAD
 }
@@ -63,6 +65,10 @@ struct Entry {
     expires_at: Micros,
     /// When a request last checked or charged it: what eviction keeps.
     used_at: Micros,
+    /// The bytes it is accounted as of its last commit: its key's and what its state holds
+    /// on the heap (a sliding window's log, a concurrency limit's leases), which grows with
+    /// admissions, so a cap on bytes must count it.
+    bytes: usize,
 }
 
 impl Entry {
@@ -72,6 +78,7 @@ impl Entry {
             state: None,
             expires_at: 0,
             used_at: now,
+            bytes: 0,
         }
     }
 }
@@ -95,33 +102,37 @@ impl Shard {
     /// Drop expired entries.
     fn sweep(&mut self, now: Micros) {
         let mut freed = 0;
-        self.entries.retain(|key, e| {
+        self.entries.retain(|_, e| {
             let live = e.expires_at > now;
             if !live {
-                freed += entry_bytes(key);
+                freed += e.bytes;
             }
             live
         });
         self.bytes -= freed;
     }
 
-    /// Evict entries until one of `bytes` more fits in `max_keys` and `max_bytes`, sparing
-    /// the keys `spared` holds. Returns how many were evicted.
+    /// Evict entries until `room` fits in `max_keys` and `max_bytes`, sparing the keys
+    /// `spared` holds. Returns how many were evicted.
     fn make_room(
         &mut self,
-        bytes: usize,
+        room: Room,
         (max_keys, max_bytes): (usize, usize),
         spared: impl Fn(&str) -> bool,
         now: Micros,
     ) -> u64 {
+        let (keys, bytes) = match room {
+            Room::NewKey(bytes) => (1, bytes),
+            Room::Grown => (0, 0),
+        };
         let mut evicted = 0;
-        while self.entries.len() >= max_keys || self.bytes + bytes > max_bytes {
+        while self.entries.len() + keys > max_keys || self.bytes + bytes > max_bytes {
             // None: every entry left is spared, so the shard holds only the request's keys.
             let Some(victim) = self.victim(&spared, now) else {
                 break;
             };
-            if let Some((key, _)) = self.entries.swap_remove_index(victim) {
-                self.bytes -= entry_bytes(&key);
+            if let Some((_, entry)) = self.entries.swap_remove_index(victim) {
+                self.bytes -= entry.bytes;
                 evicted += 1;
             }
         }
@@ -160,11 +171,20 @@ fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Outcome {
     )
 }
 
+/// What a shard must make room for.
+enum Room {
+    /// A key not yet held, of these bytes.
+    NewKey(usize),
+    /// A key held whose state grew, already counted in the shard's bytes.
+    Grown,
+}
+
 fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
     if entry.expires_at <= now {
         entry.state = None;
     }
     entry.expires_at = KeyState::commit(&mut entry.state, &hit.limit, now, hit.cost());
+    entry.bytes = entry_bytes(&hit.key) + entry.state.as_ref().map_or(0, KeyState::heap_bytes);
 }
 
 /// Whether a request whose hits got `verdicts` is charged.
@@ -329,19 +349,28 @@ impl MemoryBackend {
     /// Charge `hit`, making room for its key if it is new: the other keys of the request
     /// (`hits`) are spared, since they may be charged already or about to be.
     fn charge(&self, shard: &mut Shard, hit: &Hit, hits: &[Hit], now: Micros) {
-        if let Some(entry) = shard.entries.get_mut(&hit.key) {
-            commit_any(entry, hit, now);
-            return;
-        }
-        let bytes = entry_bytes(&hit.key);
         let caps = (self.max_keys_per_shard, self.max_bytes_per_shard);
         let spared = |key: &str| hits.iter().any(|h| h.key == key);
-        let evicted = shard.make_room(bytes, caps, spared, now);
+        let evicted = if let Some(entry) = shard.entries.get_mut(&hit.key) {
+            let before = entry.bytes;
+            commit_any(entry, hit, now);
+            let after = entry.bytes;
+            shard.bytes = shard.bytes - before + after;
+            if after > before {
+                shard.make_room(Room::Grown, caps, spared, now)
+            } else {
+                0
+            }
+        } else {
+            let mut entry = Entry::fresh(now);
+            commit_any(&mut entry, hit, now);
+            let bytes = entry.bytes;
+            let evicted = shard.make_room(Room::NewKey(bytes), caps, spared, now);
+            shard.entries.insert(hit.key.clone(), entry);
+            shard.bytes += bytes;
+            evicted
+        };
         self.evictions.increment(evicted);
-        let mut entry = Entry::fresh(now);
-        commit_any(&mut entry, hit, now);
-        shard.entries.insert(hit.key.clone(), entry);
-        shard.bytes += bytes;
     }
 }
 
@@ -510,6 +539,7 @@ mod tests {
                     state: None,
                     expires_at,
                     used_at,
+                    bytes: 0,
                 };
                 shard.entries.insert(key.into(), entry);
             }
@@ -586,6 +616,55 @@ mod tests {
             assert!(b.evaluate_now(&[h], Charging::Atomic, now).unwrap()[0].admitted);
         }
         assert_eq!(keys(&b), SHARDS, "each shard back to its one key");
+    }
+
+    #[test]
+    fn state_that_grows_with_admissions_counts_against_the_byte_cap() {
+        // 64 KiB over 64 shards: 1 KiB each. 200 short keys, each admitted 100 times: a
+        // sliding window's log then holds 100 entries, a concurrency limit 100 leases of
+        // 32-byte names, more than a shard's share either way. Counted by their keys alone
+        // all 200 would stay (some 40 KiB); counted with their state, each shard keeps only
+        // its latest key, whose own count is intact.
+        let max = 64 << 10;
+        let now = now_micros();
+        let windowed = |algorithm| Limit {
+            algorithm,
+            ..Limit::fixed(10_000, Unit::Hour)
+        };
+        // (algorithm, the n-th hit on a key)
+        type Nth = fn(&str, Limit, usize) -> Hit;
+        let rows: [(Kind, Nth); 2] = [
+            (Kind::SlidingWindow, |key, limit, _| {
+                hit(key, limit, Role::Enforce)
+            }),
+            (Kind::Concurrency, |key, limit, n| Hit {
+                lease: Some((LeaseOp::Acquire, format!("{n:032}"))),
+                ..hit(key, limit, Role::Enforce)
+            }),
+        ];
+        for (algorithm, nth) in rows {
+            let b = MemoryBackend::new(1_000_000, max);
+            let limit = windowed(algorithm);
+            for k in 0..200 {
+                for n in 0..100 {
+                    let h = nth(&format!("key-{k}"), limit, n);
+                    assert!(b.evaluate_now(&[h], Charging::Atomic, now).unwrap()[0].admitted);
+                }
+            }
+            assert!(keys(&b) <= SHARDS, "{algorithm:?}: {} keys kept", keys(&b));
+            assert!(
+                b.bytes() > max,
+                "{algorithm:?}: each shard holds a key over its share"
+            );
+            let last = nth("key-199", limit, 100);
+            let outcome = b.evaluate_now(&[last], Charging::Nothing, now).unwrap()[0];
+            // Its 100, and this one as if admitted.
+            assert_eq!(
+                outcome.remaining,
+                10_000 - 101,
+                "{algorithm:?}: the latest key's count"
+            );
+        }
     }
 
     #[test]

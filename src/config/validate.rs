@@ -366,13 +366,18 @@ impl Check<'_> {
             && let Some(max) = kind.max_limit()
             && given.value > max
         {
+            // A rate has another algorithm without that state; requests in flight do not.
+            let instead = if kind.in_flight() {
+                String::new()
+            } else {
+                format!("; use {} for larger limits", Kind::TokenBucket)
+            };
             self.error(
                 given.pos,
                 format!(
-                    "{kind} keeps state per admitted request, so requests_per_unit must be at \
-                     most {max} (found {}); use {} for larger limits",
+                    "{kind} keeps state per request it counts, so requests_per_unit must be at \
+                     most {max} (found {}){instead}",
                     given.value,
-                    Kind::TokenBucket
                 ),
             );
         }
@@ -816,20 +821,29 @@ mod tests {
     }
 
     #[test]
-    fn sliding_window_is_capped() {
-        let at_cap = "unit: hour\n      algorithm: sliding_window\n      requests_per_unit: 10000";
-        assert_eq!(limit_of(at_cap).unwrap().requests_per_unit, 10_000);
-        let errors =
-            one_rule("unit: hour\n      algorithm: sliding_window\n      requests_per_unit: 10001")
-                .unwrap_err();
-        assert_eq!(
-            errors,
-            [
-                "v.yaml:7:26: sliding_window keeps state per admitted request, so requests_per_unit \
-              must be at most 10000 (found 10001); use token_bucket for larger limits"
-            ]
-        );
-        // The cap is the sliding window's alone.
+    fn algorithms_whose_state_grows_with_the_limit_are_capped() {
+        // (the rules with requests_per_unit {n}, the error at 10 001)
+        let rows = [
+            (
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit: \
+                 {unit: hour, algorithm: sliding_window, requests_per_unit: {n}}\n",
+                "v.yaml:4:76: sliding_window keeps state per request it counts, so \
+                 requests_per_unit must be at most 10000 (found 10001); use token_bucket for \
+                 larger limits",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: k\n    descriptors:\n      - key: id\n        \
+                 rate_limit: {unit: hour, algorithm: concurrency, requests_per_unit: {n}}\n",
+                "v.yaml:6:77: concurrency keeps state per request it counts, so \
+                 requests_per_unit must be at most 10000 (found 10001)",
+            ),
+        ];
+        for (rules, error) in rows {
+            let at = |n: u32| rules.replace("{n}", &n.to_string());
+            assert!(load_str("v.yaml", &at(10_000)).is_ok(), "{}", at(10_000));
+            assert_eq!(errors(&at(10_001)), [error]);
+        }
+        // The cap is theirs alone.
         let big =
             limit_of("unit: hour\n      algorithm: token_bucket\n      requests_per_unit: 1000000");
         assert_eq!(big.unwrap().requests_per_unit, 1_000_000);
