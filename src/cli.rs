@@ -553,6 +553,10 @@ pub struct ServeArgs {
     /// every 5 s, so this must be well above 5 s.
     #[arg(long, env = "TURNSTILE_RLQS_TTL", value_parser = duration, default_value = "15s")]
     pub rlqs_ttl: Duration,
+    /// Bytes of limited buckets all RLQS streams together may track (a stream alone: 4 MiB);
+    /// past it, new buckets get DENY_ALL.
+    #[arg(long, env = "TURNSTILE_RLQS_MAX_BYTES", default_value_t = crate::rlqs::DEFAULT_MAX_BYTES)]
+    pub rlqs_max_bytes: usize,
 
     /// Report not-serving while the rules define no domain.
     #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]

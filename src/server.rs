@@ -320,6 +320,7 @@ async fn run<B: Backend>(
             ttl: args.rlqs_ttl,
             on_backend_error: settings(args).on_backend_error,
             bounds: settings(args).bounds,
+            max_bytes: args.rlqs_max_bytes,
         },
         metrics.clone(),
     );

@@ -7,6 +7,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -420,6 +421,37 @@ impl Stream {
             .expect("RLQS stream failed")
     }
 
+    /// Report one request on each of `n` buckets {user: `tag`-i-(1 000 bytes)} of the domain
+    /// `rlqs` in one report; how many buckets got each action.
+    async fn report_many(&mut self, tag: &str, n: usize) -> BTreeMap<String, usize> {
+        let padding = "x".repeat(1_000);
+        let buckets = (0..n)
+            .map(|i| BucketQuotaUsage {
+                bucket_id: Some(BucketId {
+                    bucket: [("user".to_owned(), format!("{tag}-{i}-{padding}"))].into(),
+                }),
+                time_elapsed: None,
+                num_requests_allowed: 1,
+                num_requests_denied: 0,
+            })
+            .collect();
+        let report = RateLimitQuotaUsageReports {
+            domain: "rlqs".into(),
+            bucket_quota_usages: buckets,
+        };
+        self.reports.send(report).await.expect("send a report");
+        let answer = tokio::time::timeout(Duration::from_secs(5), self.answers.message())
+            .await
+            .expect("an answer in time")
+            .expect("RLQS stream failed")
+            .expect("an answer");
+        let mut answers = BTreeMap::new();
+        for action in answer.bucket_action {
+            *answers.entry(describe(action.bucket_action)).or_default() += 1;
+        }
+        answers
+    }
+
     /// Report `requests` on the bucket {key: value} of `domain`; the action answered, if one
     /// comes within a second, or the stream's error.
     async fn report_to(
@@ -618,44 +650,49 @@ async fn buckets_without_a_limit_are_allowed() {
     );
 }
 
+/// Limited buckets with ids of about 1 KB, as `Stream::report_many` reports them.
+const USERS: &str = "domain: rlqs\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 100}\n";
+
 /// A stream tracks a bounded amount of buckets: past its budget (4 MiB), new limited buckets
 /// are denied rather than tracked, and the ones it holds keep their shares.
 #[tokio::test]
 async fn a_stream_tracks_a_bounded_number_of_buckets() {
-    let rules = Rules::new(
-        "domain: rlqs\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 100}\n",
-    );
+    let rules = Rules::new(USERS);
     let turnstile = Turnstile::start(rules.path(), &[]).await;
     let mut stream = Stream::open(&turnstile).await;
-    let padding = "x".repeat(1_000);
-    let mut answers = std::collections::BTreeMap::<String, usize>::new();
+    let mut answers = BTreeMap::<String, usize>::new();
     for batch in 0..3 {
-        let buckets = (0..700)
-            .map(|i| BucketQuotaUsage {
-                bucket_id: Some(BucketId {
-                    bucket: [("user".to_owned(), format!("{batch}-{i}-{padding}"))].into(),
-                }),
-                time_elapsed: None,
-                num_requests_allowed: 1,
-                num_requests_denied: 0,
-            })
-            .collect();
-        let report = RateLimitQuotaUsageReports {
-            domain: "rlqs".into(),
-            bucket_quota_usages: buckets,
-        };
-        stream.reports.send(report).await.expect("send a report");
-        let answer = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
-            .await
-            .expect("an answer in time")
-            .expect("RLQS stream failed")
-            .expect("an answer");
-        for action in answer.bucket_action {
-            *answers.entry(describe(action.bucket_action)).or_default() += 1;
+        for (action, n) in stream.report_many(&batch.to_string(), 700).await {
+            *answers.entry(action).or_default() += n;
         }
     }
     let (shares, denied) = (answers["tokens 100"], answers["deny_all"]);
     assert_eq!((shares + denied, answers.len()), (2_100, 2), "{answers:?}");
     // About 2.2 KB a bucket here: 4 MiB holds about 1 900.
     assert!((1_700..2_000).contains(&shares), "{answers:?}");
+}
+
+/// All streams together track a bounded amount of buckets too (`--rlqs-max-bytes`, 3 MiB
+/// here, about 1 400 buckets): a second stream gets shares only for what the first left, the
+/// rest DENY_ALL; once Envoy ends the first, its part is free again for a third.
+#[tokio::test]
+async fn streams_together_track_a_bounded_number_of_buckets() {
+    let rules = Rules::new(USERS);
+    let turnstile = Turnstile::start(rules.path(), &["--rlqs-max-bytes", "3145728"]).await;
+    let mut first = Stream::open(&turnstile).await;
+    let mut second = Stream::open(&turnstile).await;
+    assert_eq!(
+        first.report_many("first", 900).await,
+        [("tokens 100".into(), 900)].into()
+    );
+    let answers = second.report_many("second", 900).await;
+    let shares = answers["tokens 100"];
+    assert!((300..700).contains(&shares), "{answers:?}");
+    assert_eq!(answers["deny_all"], 900 - shares, "{answers:?}");
+    first.close().await;
+    let mut third = Stream::open(&turnstile).await;
+    assert_eq!(
+        third.report_many("third", 400).await,
+        [("tokens 100".into(), 400)].into()
+    );
 }

@@ -28,6 +28,9 @@ pub use stream::QuotaService;
 /// stream can grow the server's memory without bound. About 30 000 buckets of short ids.
 pub const MAX_STREAM_BYTES: usize = 4 << 20;
 
+/// Default bound on the bytes all streams together track (`Settings::max_bytes`).
+pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
+
 /// How the service is set up.
 pub struct Settings {
     /// An assignment's life without a new report (and its reservation's).
@@ -35,6 +38,11 @@ pub struct Settings {
     /// Answer when the shared store fails, unless the domain's rules say otherwise.
     pub on_backend_error: FailurePolicy,
     pub bounds: Bounds,
+    /// Bytes of limited buckets all streams together may track, counted as a stream's are
+    /// (`MAX_STREAM_BYTES`), so that many streams cannot do what one may not. A stream's
+    /// bytes count until its reservations are gone: at once when Envoy ends it, else a TTL
+    /// after it broke, while its shares still stand in the store.
+    pub max_bytes: usize,
 }
 
 /// What the service counts.

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::r#type::v3::RateLimitStrategy;
@@ -61,6 +62,8 @@ struct Inner {
     settings: Settings,
     metrics: Arc<Metrics>,
     counters: RlqsMetrics,
+    /// Bytes the streams track, all together (`Settings::max_bytes`).
+    tracked: Arc<AtomicUsize>,
 }
 
 impl QuotaService {
@@ -78,6 +81,7 @@ impl QuotaService {
                 counters: RlqsMetrics::new(&metrics),
                 settings,
                 metrics,
+                tracked: Arc::default(),
             }),
         }
     }
@@ -167,8 +171,26 @@ impl Inner {
                 }
                 self.local.leave(key, seen.holder);
             }
+            self.tracked.fetch_sub(state.bytes, Ordering::Relaxed);
+        } else if state.bytes > 0 {
+            // Its shares stand in the store until they lapse: so do their bytes here.
+            let (tracked, ttl) = (Arc::clone(&self.tracked), self.settings.ttl);
+            tokio::spawn(async move {
+                tokio::time::sleep(ttl).await;
+                tracked.fetch_sub(state.bytes, Ordering::Relaxed);
+            });
         }
         self.counters.streams.decrement(1.0);
+    }
+
+    /// Count `bytes` more among what all streams track, if they fit.
+    fn track(&self, bytes: usize) -> bool {
+        let max = self.settings.max_bytes;
+        self.tracked
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                (now + bytes <= max).then_some(now + bytes)
+            })
+            .is_ok()
     }
 
     /// The answer to one report: an action for every bucket it lists, unless the failure
@@ -261,7 +283,7 @@ impl Inner {
             let cost = BUCKET_COST
                 + key.len()
                 + owned.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-            if state.bytes + cost > MAX_STREAM_BYTES {
+            if state.bytes + cost > MAX_STREAM_BYTES || !self.track(cost) {
                 // Untracked, a limited bucket cannot be given a share; nor let through.
                 return Some(self.assign(blanket(BlanketRule::DenyAll)));
             }
