@@ -5,6 +5,8 @@
 //! Scalars keep their text and whether they were plain: only plain scalars are read as numbers,
 //! booleans or null, the way YAML 1.1 (the reference's yaml.v2) resolves them.
 
+use std::collections::HashMap;
+
 use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
 use yaml_rust2::scanner::{Marker, TScalarStyle};
 
@@ -94,6 +96,18 @@ pub fn parse(file: &str, text: &str) -> Result<Vec<Node>, ConfigError> {
         }
         builder.on_event(event, mark);
     }
+    // A key given twice would silently lose one of its values (the reference's yaml.v2
+    // refuses it too).
+    if let Some((pos, key, first)) = builder.first_duplicate {
+        return Err(ConfigError::at(
+            file,
+            pos,
+            format!(
+                "key '{key}' already set in this map (at line {}, column {})",
+                first.line, first.column
+            ),
+        ));
+    }
     // Expanding aliases would let a tiny file grow without bound; rules never need them.
     if let Some(pos) = builder.first_alias {
         return Err(ConfigError::at(
@@ -181,6 +195,8 @@ struct TreeBuilder {
     documents: Vec<Node>,
     open: Vec<Open>,
     first_alias: Option<Pos>,
+    /// The first key met twice in one map: where, which, and where it was first.
+    first_duplicate: Option<(Pos, String, Pos)>,
 }
 
 /// A collection whose end event has not arrived yet.
@@ -191,8 +207,8 @@ struct Open {
 
 enum OpenKind {
     Seq(Vec<Node>),
-    /// Entries so far, and a key still waiting for its value.
-    Map(Vec<(Node, Node)>, Option<Node>),
+    /// Entries so far, a key still waiting for its value, and where each scalar key is.
+    Map(Vec<(Node, Node)>, Option<Node>, HashMap<String, Pos>),
 }
 
 impl TreeBuilder {
@@ -204,11 +220,19 @@ impl TreeBuilder {
                 ..
             }) => items.push(node),
             Some(Open {
-                kind: OpenKind::Map(entries, pending),
+                kind: OpenKind::Map(entries, pending, keys),
                 ..
             }) => match pending.take() {
                 Some(key) => entries.push((key, node)),
-                None => *pending = Some(node),
+                None => {
+                    if let Kind::Scalar { text, .. } = &node.kind
+                        && let Some(first) = keys.insert(text.clone(), node.pos)
+                    {
+                        self.first_duplicate
+                            .get_or_insert((node.pos, text.clone(), first));
+                    }
+                    *pending = Some(node);
+                }
             },
         }
     }
@@ -233,7 +257,7 @@ impl MarkedEventReceiver for TreeBuilder {
             }),
             Event::MappingStart(..) => self.open.push(Open {
                 pos,
-                kind: OpenKind::Map(Vec::new(), None),
+                kind: OpenKind::Map(Vec::new(), None, HashMap::new()),
             }),
             Event::SequenceEnd | Event::MappingEnd => {
                 if let Some(open) = self.open.pop() {
@@ -241,7 +265,7 @@ impl MarkedEventReceiver for TreeBuilder {
                         OpenKind::Seq(items) => (Kind::Seq(items), open.pos),
                         // A block mapping's start event is marked at its first `:`, so the
                         // first key (when earlier, as it is outside flow style) marks it better.
-                        OpenKind::Map(entries, _) => {
+                        OpenKind::Map(entries, ..) => {
                             let pos = entries.first().map_or(open.pos, |(key, _)| key.pos);
                             (Kind::Map(entries), open.pos.min(pos))
                         }
@@ -334,6 +358,46 @@ mod tests {
             err.message,
             "YAML aliases (*name) are not supported in config files"
         );
+    }
+
+    #[test]
+    fn a_key_given_twice_in_one_map_is_refused() {
+        // Where the second key is (line, column), and the message.
+        type Refused<'a> = Option<((usize, usize), &'a str)>;
+        // (text, the error)
+        let rows: [(&str, Refused<'_>); 4] = [
+            (
+                "domain: a\ndomain: b\n",
+                Some((
+                    (2, 1),
+                    "key 'domain' already set in this map (at line 1, column 1)",
+                )),
+            ),
+            (
+                "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, unit: day}\n",
+                Some((
+                    (4, 30),
+                    "key 'unit' already set in this map (at line 4, column 18)",
+                )),
+            ),
+            // The same key in two maps of a list is two descriptors, not a duplicate.
+            ("descriptors:\n  - key: a\n  - key: b\n", None),
+            // Quoting does not make it another key.
+            (
+                "a: 1\n'a': 2\n",
+                Some((
+                    (2, 1),
+                    "key 'a' already set in this map (at line 1, column 1)",
+                )),
+            ),
+        ];
+        for (text, expected) in rows {
+            let got = parse("dup.yaml", text)
+                .err()
+                .map(|e| ((e.line, e.column), e.message));
+            let expected = expected.map(|(at, message)| (at, message.to_owned()));
+            assert_eq!(got, expected, "{text}");
+        }
     }
 
     #[test]
