@@ -7,7 +7,9 @@
 //! events in the directory, where a file watch would lose track. Events are debounced so a
 //! burst of writes (many files, a half-written file) is read once, after it settles. The
 //! version hash makes a reload of identical content a no-op. SIGHUP forces a reload. Where
-//! inotify is unavailable, the directory is polled instead.
+//! inotify is unavailable, the directory is polled instead. Files are read and validated on a
+//! blocking thread, so a large set takes none of the runtime's workers (which serve the
+//! admin and metrics ports) while it loads.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -75,9 +77,10 @@ impl Reloader {
     /// Watch the files (and SIGHUP) and reload on change, forever. `poll` forces polling at
     /// that period instead of inotify.
     pub async fn watch(self, poll: Option<Duration>) {
+        let this = Arc::new(self);
         let (tx, mut rx) = mpsc::unbounded_channel::<()>();
         // Keep the watchers alive for as long as this task runs.
-        let _watchers: Vec<_> = self
+        let _watchers: Vec<_> = this
             .source
             .watch
             .iter()
@@ -99,7 +102,10 @@ impl Reloader {
                     Err(_) => break,
                 }
             }
-            self.reload();
+            let reloader = Arc::clone(&this);
+            if let Err(error) = tokio::task::spawn_blocking(move || reloader.reload()).await {
+                tracing::error!(%error, "rules not reloaded; the previous rules stay in force");
+            }
         }
     }
 }

@@ -120,6 +120,8 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
     let r = Rules::new(&rules("d", 3));
     let t = Turnstile::start(r.path(), &[]).await;
     let mut errors = 0.0;
+    // Valid rules followed by a comment that takes the file past 16 MiB.
+    let huge = format!("{}# {}\n", rules("d", 7), "x".repeat(16 << 20));
     for broken in [
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 7",
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 7}\n",
@@ -127,6 +129,9 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
         "",
         // Once crashed the process: the reload runs on a worker thread's small stack.
         support::turnstile::nested_rules("d", 2_000).as_str(),
+        // A key twice: one of its values would be lost.
+        "domain: d\ndomain: e\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 7}\n",
+        huge.as_str(),
     ] {
         r.write("rules.yaml", broken);
         errors += 1.0;
@@ -136,7 +141,7 @@ async fn a_bad_edit_keeps_the_rules_in_force_until_it_is_fixed() {
     assert_eq!(t.http_get("/healthcheck").await.unwrap().0, 200);
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
     assert!(
-        metrics.contains("ratelimit_service_config_load_error 5"),
+        metrics.contains(&format!("ratelimit_service_config_load_error {errors}")),
         "{metrics}"
     );
     r.write("rules.yaml", &rules("d", 7));
