@@ -166,29 +166,23 @@ pub fn load_with(path: &Path, options: LoadOptions) -> Result<RuleSet, ConfigErr
 
 /// Largest rules file read. 10 000 rules take about 1 MiB; the bound keeps a stray or hostile
 /// file from costing a reload seconds and the process gigabytes.
-pub const MAX_FILE_BYTES: u64 = 16 << 20;
+const MAX_FILE_BYTES: u64 = 16 << 20;
 
 /// A rules file's text, or why it cannot be read: unreadable, not UTF-8, or larger than
 /// `MAX_FILE_BYTES` (read only that far, however large it is or grows).
 fn read_capped(file: &Path) -> Result<String, String> {
     use std::io::Read;
-    let unreadable = |e: std::io::Error| format!("cannot read config file: {e}");
     let mut bytes = Vec::new();
     fs::File::open(file)
         .and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(unreadable)?;
+        .map_err(|e| format!("cannot read config file: {e}"))?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(format!(
             "config file larger than {} MiB",
             MAX_FILE_BYTES >> 20
         ));
     }
-    String::from_utf8(bytes).map_err(|e| {
-        unreadable(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            e.utf8_error(),
-        ))
-    })
+    String::from_utf8(bytes).map_err(|e| format!("cannot read config file: {}", e.utf8_error()))
 }
 
 /// Loads rules from text, as if read from a file called `file_name`.
