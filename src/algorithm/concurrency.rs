@@ -10,6 +10,8 @@
 //! hold its lease.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use super::{Algorithm, Micros, clamp_u32, window_micros};
@@ -18,19 +20,33 @@ use crate::limit::Limit;
 
 pub struct Concurrency;
 
-/// Leases in flight: request → expiry.
+/// Leases in flight: request (its lease's name) → expiry.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct State {
-    leases: HashMap<String, Micros>,
+    leases: HashMap<LeaseName, Micros>,
+}
+
+/// A lease's name: a 128-bit digest of the request's id, keyed at random for each process. A
+/// lease then costs the same whatever its id's length (a descriptor value may be KiBs, and a
+/// key holds up to 10 000 leases), and no client can pick two ids that share one.
+type LeaseName = u128;
+
+fn lease_name(id: &str) -> LeaseName {
+    static KEYS: LazyLock<[RandomState; 2]> =
+        LazyLock::new(|| [RandomState::new(), RandomState::new()]);
+    let [high, low] = &*KEYS;
+    (u128::from(high.hash_one(id)) << 64) | u128::from(low.hash_one(id))
 }
 
 impl State {
-    fn live(&self, now: Micros) -> impl Iterator<Item = (&String, &Micros)> {
+    fn live(&self, now: Micros) -> impl Iterator<Item = (&LeaseName, &Micros)> {
         self.leases.iter().filter(move |(_, expiry)| **expiry > now)
     }
 
     fn holds(&self, id: &str, now: Micros) -> bool {
-        self.leases.get(id).is_some_and(|expiry| *expiry > now)
+        self.leases
+            .get(&lease_name(id))
+            .is_some_and(|expiry| *expiry > now)
     }
 }
 
@@ -77,10 +93,10 @@ impl Algorithm for Concurrency {
             Some((LeaseOp::Acquire, id)) => {
                 state
                     .leases
-                    .insert(id.to_owned(), now + window_micros(limit));
+                    .insert(lease_name(id), now + window_micros(limit));
             }
             Some((LeaseOp::Release, id)) => {
-                state.leases.remove(id);
+                state.leases.remove(&lease_name(id));
             }
             None => {}
         }
@@ -90,10 +106,9 @@ impl Algorithm for Concurrency {
         state.leases.values().copied().max().unwrap_or(0)
     }
 
-    /// The map's slots (with their control bytes) and each lease's name.
+    /// The map's slots, with their control bytes.
     fn heap_bytes(state: &State) -> usize {
-        let slots = state.leases.capacity() * (std::mem::size_of::<(String, Micros)>() + 1);
-        slots + state.leases.keys().map(String::capacity).sum::<usize>()
+        state.leases.capacity() * (std::mem::size_of::<(LeaseName, Micros)>() + 1)
     }
 }
 
@@ -144,5 +159,29 @@ mod tests {
             acquire(&mut s, T0 + 60 * MICROS_PER_SECOND + 1, "d").admitted,
             "b expired"
         );
+    }
+
+    #[test]
+    fn a_lease_costs_the_same_whatever_its_request_id() {
+        // 100 leases named by 8-byte ids, then by 4 KB ids: the same bytes, and each id
+        // still names its own lease (a repeat takes none, a release frees its own).
+        let limit = Limit {
+            algorithm: Kind::Concurrency,
+            ..Limit::fixed(10_000, Unit::Hour)
+        };
+        let bytes = |width: usize| {
+            let mut s = State::default();
+            for i in 0..100 {
+                let id = format!("{i:0width$}");
+                assert!(run(&mut s, &limit, T0, LeaseOp::Acquire, &id).admitted);
+            }
+            let held = Concurrency::heap_bytes(&s);
+            let repeat = run(&mut s, &limit, T0, LeaseOp::Acquire, &format!("{:0width$}", 7));
+            assert_eq!(repeat.remaining, 10_000 - 100, "ids of {width} bytes");
+            run(&mut s, &limit, T0, LeaseOp::Release, &format!("{:0width$}", 7));
+            assert_eq!(s.live(T0).count(), 99, "ids of {width} bytes");
+            held
+        };
+        assert_eq!(bytes(8), bytes(4_096));
     }
 }
