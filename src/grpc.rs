@@ -21,7 +21,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -191,10 +191,12 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
     }
 }
 
-/// The body's one gRPC message (without its prefix), or the status to answer with.
+/// The body's one gRPC message (without its prefix), or the status to answer with. A unary
+/// call carries one message: bytes after it that have already arrived (in its frames, or in
+/// a frame that is here without waiting) are refused, as a second message would be ignored.
 async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
     let mut buffered = BytesMut::new();
-    loop {
+    let message = loop {
         let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
         let data = match frame {
             Some(Ok(frame)) => match frame.into_data() {
@@ -214,14 +216,35 @@ async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
         if buffered.is_empty()
             && let Some(message) = message_length(&data, max)?
         {
-            return Ok(data.slice(PREFIX..PREFIX + message));
+            only_message(data.len() - PREFIX - message)?;
+            break data.slice(PREFIX..PREFIX + message);
         }
         buffered.extend_from_slice(&data);
         if let Some(message) = message_length(&buffered, max)? {
+            only_message(buffered.len() - PREFIX - message)?;
             buffered.advance(PREFIX);
-            return Ok(buffered.split_to(message).freeze());
+            break buffered.split_to(message).freeze();
+        }
+    };
+    // Envoy ends the stream with the message's frame; anything else is looked at only if it
+    // is already here.
+    if !body.is_end_stream() {
+        let mut here = Context::from_waker(Waker::noop());
+        if let Poll::Ready(Some(Ok(frame))) = Pin::new(&mut body).poll_frame(&mut here) {
+            only_message(frame.data_ref().map_or(0, Bytes::len))?;
         }
     }
+    Ok(message)
+}
+
+/// Refuse `after` bytes following a unary call's message, unless there are none.
+fn only_message(after: usize) -> Result<(), Status> {
+    if after == 0 {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!(
+        "a ShouldRateLimit call carries one message; {after} more bytes follow it"
+    )))
 }
 
 /// The length of the message `data` starts with, once all of it is there.

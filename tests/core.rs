@@ -2339,6 +2339,19 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
             "not a RateLimitRequest",
         ),
         (
+            "two messages",
+            whole(
+                [
+                    framed(0, message.len(), &message),
+                    framed(0, message.len(), &message),
+                ]
+                .concat()
+                .into(),
+            ),
+            tonic::Code::InvalidArgument,
+            "carries one message",
+        ),
+        (
             "a stalled body",
             RawBody {
                 data: Some(framed(0, message.len(), b"")),
