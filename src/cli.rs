@@ -358,6 +358,11 @@ pub struct ServeArgs {
     /// when the open-files limit would not hold them all.
     #[arg(long, env = "TURNSTILE_GRPC_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub grpc_max_connections: usize,
+    /// Most open gRPC connections from one peer address; past it its new ones are closed at
+    /// accept, so one client cannot hold every connection. Envoy opens a few per worker
+    /// thread.
+    #[arg(long, env = "TURNSTILE_GRPC_MAX_CONNECTIONS_PER_PEER", default_value_t = 1_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub grpc_max_connections_per_peer: usize,
     /// A gRPC connection that has not finished TLS and sent the HTTP/2 preface by then is
     /// closed.
     #[arg(long, env = "TURNSTILE_GRPC_HANDSHAKE_TIMEOUT", value_parser = duration, default_value = "10s")]

@@ -3,7 +3,8 @@
 //! tonic and axum accept every connection and keep it for as long as the peer likes, and
 //! tonic retries a failing accept at once: at the open-files limit the process spun on
 //! EMFILE and no port answered, not even `/healthcheck`. Here each port has a cap on open
-//! connections (the excess is closed at accept and counted), the caps of all ports together
+//! connections, and one on those from each peer address, so that one client cannot take
+//! them all (the excess is closed at accept and counted); the caps of all ports together
 //! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
 //! TLS and send the HTTP/2 preface within a timeout before tonic sees it; once served, HTTP/2
 //! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
@@ -17,12 +18,13 @@
 //! answers finished in the same scheduler tick leave in one write instead of one each
 //! (unless such yields keep gathering nothing, as for a client with one call at a time).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io::{self, IoSlice};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -64,6 +66,8 @@ pub enum Handshake {
 /// One listening port's limits.
 pub struct Port {
     pub max_connections: usize,
+    /// Most of them from one peer address, so that one client cannot take every slot.
+    pub max_per_peer: usize,
     pub handshake: Handshake,
     /// Close a connection whose writes make no progress for this long.
     pub write_stall: Option<Duration>,
@@ -222,6 +226,7 @@ impl Dispatch {
 
 async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
     let slots = Arc::new(Semaphore::new(port.max_connections));
+    let peers = Peers::default();
     let local = listener.local_addr().ok();
     let mut backoff = FIRST_BACKOFF;
     loop {
@@ -245,11 +250,16 @@ async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
             }
         };
         backoff = FIRST_BACKOFF;
+        let Some(from_peer) = peers.take(remote.ip(), port.max_per_peer) else {
+            port.metrics.refused.increment(1);
+            tracing::debug!(%remote, "connection closed at accept: its peer has its share");
+            continue;
+        };
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             port.metrics.refused.increment(1);
             continue;
         };
-        let slot = Slot::new(permit, port.metrics.open.clone());
+        let slot = Slot::new(permit, from_peer, port.metrics.open.clone());
         dispatch
             .send(
                 stream,
@@ -344,19 +354,65 @@ pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
-/// Holds one of a port's connection slots while the connection is open.
+/// A port's open connections by peer address (an IPv4 peer on an IPv6 socket counts as
+/// its IPv4 address). Only addresses with a connection open have an entry, so the map is
+/// bounded by the port's cap.
+#[derive(Default, Clone)]
+struct Peers(Arc<Mutex<HashMap<IpAddr, usize>>>);
+
+impl Peers {
+    /// One more connection from `ip`, unless it has `max` open already.
+    fn take(&self, ip: IpAddr, max: usize) -> Option<FromPeer> {
+        let ip = ip.to_canonical();
+        let mut open = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = open.entry(ip).or_default();
+        if *count >= max {
+            if *count == 0 {
+                open.remove(&ip);
+            }
+            return None;
+        }
+        *count += 1;
+        Some(FromPeer {
+            peers: self.clone(),
+            ip,
+        })
+    }
+}
+
+/// Counts one connection against its peer's share while it is open.
+struct FromPeer {
+    peers: Peers,
+    ip: IpAddr,
+}
+
+impl Drop for FromPeer {
+    fn drop(&mut self) {
+        let mut open = self.peers.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Holds one of a port's connection slots, and its peer's, while the connection is open.
 struct Slot {
     _permit: OwnedSemaphorePermit,
+    _from_peer: FromPeer,
     open: Gauge,
     /// The open connections of the thread serving it.
     on_thread: Option<Arc<AtomicUsize>>,
 }
 
 impl Slot {
-    fn new(permit: OwnedSemaphorePermit, open: Gauge) -> Slot {
+    fn new(permit: OwnedSemaphorePermit, from_peer: FromPeer, open: Gauge) -> Slot {
         open.increment(1.0);
         Slot {
             _permit: permit,
+            _from_peer: from_peer,
             open,
             on_thread: None,
         }
@@ -704,7 +760,13 @@ mod tests {
             remote: SocketAddr::from(([127, 0, 0, 1], 1)),
             stall: None,
             coalesce: handshake.multiplexed().then(Coalesce::default),
-            _slot: Slot::new(permit, Gauge::noop()),
+            _slot: Slot::new(
+                permit,
+                Peers::default()
+                    .take(IpAddr::from([127, 0, 0, 1]), 1)
+                    .unwrap(),
+                Gauge::noop(),
+            ),
         }
     }
 
@@ -816,6 +878,32 @@ mod tests {
         }
     }
 
+    /// A peer's connections count against its share until they close; an IPv4 peer seen as
+    /// an IPv4-mapped IPv6 address is the same peer, and a peer with none open has no entry.
+    #[test]
+    fn a_peer_takes_at_most_its_share_and_gives_it_back() {
+        let peers = Peers::default();
+        let v4 = IpAddr::from([10, 0, 0, 1]);
+        let mapped = IpAddr::from([0, 0, 0, 0, 0, 0xffff, 0x0a00, 0x0001]);
+        let other = IpAddr::from([10, 0, 0, 2]);
+        let first = peers.take(v4, 2).expect("within the share");
+        let second = peers.take(mapped, 2).expect("within the share");
+        assert!(
+            peers.take(v4, 2).is_none(),
+            "the mapped address is the same peer"
+        );
+        let third = peers
+            .take(other, 2)
+            .expect("another peer has its own share");
+        drop(first);
+        let fourth = peers
+            .take(v4, 2)
+            .expect("a closed connection gives its place back");
+        assert!(peers.take(v4, 0).is_none());
+        drop((second, third, fourth));
+        assert!(peers.0.lock().unwrap().is_empty());
+    }
+
     /// Serving threads each run their own runtime; here one runtime stands in for them,
     /// which is all the dispatch sees.
     #[tokio::test]
@@ -824,6 +912,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let port = Port {
             max_connections: 16,
+            max_per_peer: 16,
             handshake: Handshake::Http2 {
                 tls: None,
                 timeout: Duration::from_secs(5),

@@ -409,6 +409,7 @@ async fn run<B: Backend>(
         grpc_listener,
         Port {
             max_connections: grpc_cap,
+            max_per_peer: args.grpc_max_connections_per_peer,
             handshake: Handshake::Http2 {
                 tls: tls_acceptor(args)?,
                 timeout: args.grpc_handshake_timeout,
@@ -485,6 +486,7 @@ async fn run<B: Backend>(
     let http = futures_util::future::join_all(routers.into_iter().map(|(name, tcp, router)| {
         let port = Port {
             max_connections: http_cap,
+            max_per_peer: http_cap,
             handshake: Handshake::Http1,
             write_stall: Some(args.http_read_timeout),
             metrics: metrics.connections(name),

@@ -1802,6 +1802,54 @@ mod connections {
         }
     }
 
+    /// One peer address may hold only its share of the gRPC port's connections: past it its
+    /// new ones are closed at accept (every test client is 127.0.0.1, the one peer here),
+    /// while the port as a whole has room; a share freed is taken again.
+    #[tokio::test]
+    async fn one_peer_cannot_hold_more_than_its_share_of_connections() {
+        let (_rules, t) = start(&["--grpc-max-connections-per-peer", "2"]).await;
+        let mut clients = Vec::new();
+        for _ in 0..2 {
+            let mut c = client(&t).await;
+            decide(&mut c).await.expect("a connection within the share");
+            clients.push(c);
+        }
+        closed_after(
+            connect(t.grpc).await,
+            H2_PREFACE,
+            b"",
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the peer's third connection is closed");
+        assert_eq!(
+            t.metric("turnstile_connections_refused{listener=\"grpc\"}")
+                .await,
+            Some(1.0)
+        );
+        for c in &mut clients {
+            decide(c)
+                .await
+                .expect("the peer's open connections keep working");
+        }
+        clients.pop();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t
+            .metric("turnstile_connections_open{listener=\"grpc\"}")
+            .await
+            != Some(1.0)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the closed connection still counts"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        decide(&mut client(&t).await)
+            .await
+            .expect("a new connection in the peer's freed share");
+    }
+
     #[tokio::test]
     async fn the_admin_port_cuts_off_slow_and_silent_clients() {
         let (_rules, t) = start(&["--http-read-timeout", "1s"]).await;
