@@ -562,6 +562,10 @@ pub struct ServeArgs {
     /// past it, new buckets get DENY_ALL.
     #[arg(long, env = "TURNSTILE_RLQS_MAX_BYTES", default_value_t = crate::rlqs::DEFAULT_MAX_BYTES)]
     pub rlqs_max_bytes: usize,
+    /// Most RLQS streams open at once, all Envoys together; one more is refused
+    /// RESOURCE_EXHAUSTED (its Envoy retries).
+    #[arg(long, env = "TURNSTILE_RLQS_MAX_STREAMS", default_value_t = crate::rlqs::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub rlqs_max_streams: usize,
 
     /// Report not-serving while the rules define no domain.
     #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]

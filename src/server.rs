@@ -321,6 +321,7 @@ async fn run<B: Backend>(
             on_backend_error: settings(args).on_backend_error,
             bounds: settings(args).bounds,
             max_bytes: args.rlqs_max_bytes,
+            max_streams: args.rlqs_max_streams,
         },
         metrics.clone(),
     );

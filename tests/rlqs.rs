@@ -379,16 +379,21 @@ struct Stream {
 
 impl Stream {
     async fn open(turnstile: &Turnstile) -> Stream {
+        Stream::try_open(turnstile)
+            .await
+            .expect("open the RLQS stream")
+    }
+
+    async fn try_open(turnstile: &Turnstile) -> Result<Stream, tonic::Status> {
         let (reports, rx) = mpsc::channel(4);
         let outbound = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|report| (report, rx))
         });
         let answers = RateLimitQuotaServiceClient::new(turnstile.channel().await)
             .stream_rate_limit_quotas(outbound)
-            .await
-            .expect("open the RLQS stream")
+            .await?
             .into_inner();
-        Stream { reports, answers }
+        Ok(Stream { reports, answers })
     }
 
     /// Report until the answer is a share (the backend may still be connecting); the share.
@@ -694,5 +699,30 @@ async fn streams_together_track_a_bounded_number_of_buckets() {
     assert_eq!(
         third.report_many("third", 400).await,
         [("tokens 100".into(), 400)].into()
+    );
+}
+
+/// Streams open at once are bounded (`--rlqs-max-streams`, 2 here): one more is refused
+/// RESOURCE_EXHAUSTED while the open ones keep being answered, and once Envoy ends one, a
+/// new stream takes its place.
+#[tokio::test]
+async fn open_streams_are_bounded() {
+    let rules = Rules::new(USERS);
+    let turnstile = Turnstile::start(rules.path(), &["--rlqs-max-streams", "2"]).await;
+    let mut first = Stream::open(&turnstile).await;
+    let mut second = Stream::open(&turnstile).await;
+    let refused = Stream::try_open(&turnstile).await.err().map(|s| s.code());
+    assert_eq!(refused, Some(tonic::Code::ResourceExhausted));
+    for (tag, stream) in [("first", &mut first), ("second", &mut second)] {
+        assert_eq!(
+            stream.report_many(tag, 1).await,
+            [("tokens 100".into(), 1)].into()
+        );
+    }
+    first.close().await;
+    let mut third = Stream::open(&turnstile).await;
+    assert_eq!(
+        third.report_many("third", 1).await,
+        [("tokens 100".into(), 1)].into()
     );
 }

@@ -31,6 +31,9 @@ pub const MAX_STREAM_BYTES: usize = 4 << 20;
 /// Default bound on the bytes all streams together track (`Settings::max_bytes`).
 pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 
+/// Default bound on the streams open at once (`Settings::max_streams`).
+pub const DEFAULT_MAX_STREAMS: usize = 1_024;
+
 /// How the service is set up.
 pub struct Settings {
     /// An assignment's life without a new report (and its reservation's).
@@ -43,6 +46,11 @@ pub struct Settings {
     /// bytes count until its reservations are gone: at once when Envoy ends it, else a TTL
     /// after it broke, while its shares still stand in the store.
     pub max_bytes: usize,
+    /// Streams open at once, all Envoys together: a stream's transport buffers and its
+    /// report and answer in the making cost memory besides what it tracks (up to a few
+    /// times the largest message each), so their number is bounded too. One more is
+    /// refused RESOURCE_EXHAUSTED, and its Envoy retries.
+    pub max_streams: usize,
 }
 
 /// What the service counts.

@@ -25,7 +25,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use futures_util::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::bucket::{self, Target};
@@ -64,6 +64,8 @@ struct Inner {
     counters: RlqsMetrics,
     /// Bytes the streams track, all together (`Settings::max_bytes`).
     tracked: Arc<AtomicUsize>,
+    /// A place per open stream (`Settings::max_streams`).
+    open: Arc<Semaphore>,
 }
 
 impl QuotaService {
@@ -79,6 +81,7 @@ impl QuotaService {
                 store,
                 local: MemoryShares::new(LOCAL_MAX_BUCKETS),
                 counters: RlqsMetrics::new(&metrics),
+                open: Arc::new(Semaphore::new(settings.max_streams)),
                 settings,
                 metrics,
                 tracked: Arc::default(),
@@ -97,8 +100,14 @@ impl RateLimitQuotaService for QuotaService {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
+        let Ok(place) = self.inner.open.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "{} RLQS streams are open, the most this server takes (--rlqs-max-streams)",
+                self.inner.settings.max_streams
+            )));
+        };
         let (tx, rx) = mpsc::channel(QUEUED_ANSWERS);
-        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx));
+        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx, place));
         let answers = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|answer| (answer, rx))
         });
@@ -128,6 +137,7 @@ impl Inner {
         self: Arc<Self>,
         mut reports: Streaming<RateLimitQuotaUsageReports>,
         tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+        place: OwnedSemaphorePermit,
     ) {
         self.counters.streams.increment(1.0);
         let mut state = StreamState {
@@ -181,6 +191,9 @@ impl Inner {
             });
         }
         self.counters.streams.decrement(1.0);
+        // Free before the answers end (`tx`), so that Envoy's next stream finds it free.
+        drop(place);
+        drop(tx);
     }
 
     /// Count `bytes` more among what all streams track, if they fit.
