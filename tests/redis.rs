@@ -2128,10 +2128,11 @@ async fn requests_a_serving_thread_runs_together_share_one_call() {
 
 /// The Redis timeout bounds a call from when it is written; the time a request queues behind
 /// other calls counts only against its caller's deadline. One connection, Redis frozen: a
-/// call in flight, then a request of 256 hits (a call of its own), then a small one. Each
-/// call times out in turn, and the small request, written only after more than a call
-/// timeout in the queue, is answered by Redis once it thaws, instead of failing for time
-/// spent in turnstile's queue. The scripts that ran late charged nothing.
+/// call in flight, then a request of 256 hits (a call of its own), then one of 9 (costly
+/// too, so it queues behind the first in order; a light one would go ahead). Each call
+/// times out in turn, and the last request, written only after more than a call timeout in
+/// the queue, is answered by Redis once it thaws, instead of failing for time spent in
+/// turnstile's queue. The scripts that ran late charged nothing.
 #[tokio::test]
 async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     const TIMEOUT: Duration = Duration::from_millis(400);
@@ -2158,7 +2159,7 @@ async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     let full = send(vec![hit("full", ten_an_hour, 0); 256]);
     sleep(TIMEOUT / 8).await;
     let started = Instant::now();
-    let small = send(vec![hit("small", ten_an_hour, 1)]);
+    let small = send(vec![hit("small", ten_an_hour, 1); 9]);
     // The first call times out at 1 timeout, the full one at 2; then the small one is sent.
     sleep(TIMEOUT * 9 / 4).await;
     server.thaw();

@@ -24,6 +24,16 @@
 //! could only charge for nothing. A call's answers go back to the threads that asked
 //! through their mailboxes (`mailbox`): one wake-up per thread per call, not one per
 //! request.
+//!
+//! What a call costs Redis grows with its hits and its keys' bytes, and a request may carry
+//! up to 64 descriptors of 4 KiB each: a call is bounded in both (`MAX_CALL_HITS`,
+//! `MAX_CALL_BYTES`), so none keeps Redis long, and a lane's queue sends the requests that
+//! cost little (`LIGHT_HITS`, `LIGHT_BYTES`: Envoy's usual few short descriptors) ahead of
+//! the rest: a call starts with the light requests waiting, then fills up with the others,
+//! except every other call, which starts with the others (so that they cannot starve). A
+//! client whose requests are costly enough to keep Redis busy then mostly delays its own
+//! requests, which reach their deadlines in the queue (late: the policy's answer, no evidence
+//! against Redis), while a light request waits at most about two calls.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
@@ -41,8 +51,12 @@ use crate::backend::lag::Lag;
 use crate::deadline::Deadline;
 use crate::decision::BackendError;
 
-/// Most hits one call carries: a request with more goes alone.
+/// Most hits, and bytes of keys and leases, one call carries: a request with more goes alone.
 const MAX_CALL_HITS: usize = 256;
+const MAX_CALL_BYTES: usize = 64 << 10;
+/// A request with at most this many hits and bytes is light: sent ahead of the others.
+const LIGHT_HITS: usize = 8;
+const LIGHT_BYTES: usize = 1 << 10;
 /// Most requests, and hits, queued in one lane; past them a request fails at once
 /// ([`BackendError::Overloaded`]): a lane that far behind could not answer it in time.
 const MAX_QUEUED: usize = 4_096;
@@ -113,10 +127,45 @@ struct Lane {
 
 #[derive(Default)]
 struct Queue {
-    waiting: VecDeque<Request>,
+    /// Light requests, in order of arrival.
+    light: VecDeque<Request>,
+    /// The others, in order of arrival.
+    heavy: VecDeque<Request>,
+    /// The next call starts with `heavy`.
+    heavy_first: bool,
     /// Hits of the waiting requests.
     hits: usize,
     in_flight: usize,
+}
+
+impl Queue {
+    fn len(&self) -> usize {
+        self.light.len() + self.heavy.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.light.is_empty() && self.heavy.is_empty()
+    }
+
+    fn line(&mut self, request: &Request) -> &mut VecDeque<Request> {
+        let part = &request.part;
+        if part.len() <= LIGHT_HITS && part.bytes() <= LIGHT_BYTES {
+            &mut self.light
+        } else {
+            &mut self.heavy
+        }
+    }
+
+    fn push_back(&mut self, request: Request) {
+        self.hits += request.part.len();
+        self.line(&request).push_back(request);
+    }
+
+    /// Back at the head of its line (a request to send again).
+    fn push_front(&mut self, request: Request) {
+        self.hits += request.part.len();
+        self.line(&request).push_front(request);
+    }
 }
 
 /// A request on its way: queued, then in a call.
@@ -169,11 +218,10 @@ pub(super) async fn call(
     };
     let slot_free = {
         let mut queue = lock(&lane.queue);
-        if queue.waiting.len() >= MAX_QUEUED || queue.hits + hits > MAX_QUEUED_HITS {
+        if queue.len() >= MAX_QUEUED || queue.hits + hits > MAX_QUEUED_HITS {
             return Err(BackendError::Overloaded);
         }
-        queue.waiting.push_back(request);
-        queue.hits += hits;
+        queue.push_back(request);
         let free = queue.in_flight < lanes.in_flight;
         if free {
             queue.in_flight += 1;
@@ -235,25 +283,43 @@ impl Drop for Start {
     }
 }
 
-/// The next call's requests: up to `batch` of them and `MAX_CALL_HITS` hits (at least one
-/// request), all deciding at the same time.
+/// The next call's requests, light ones first but in every other call: up to `batch` of
+/// them, `MAX_CALL_HITS` hits and `MAX_CALL_BYTES` bytes (at least one request), all deciding
+/// at the same time.
 fn take(queue: &mut Queue, batch: usize) -> Vec<Request> {
     let mut taken: Vec<Request> = Vec::new();
-    let mut hits = 0;
-    while let Some(next) = queue.waiting.front() {
-        if let Some(first) = taken.first() {
-            let full = taken.len() >= batch || hits + next.part.len() > MAX_CALL_HITS;
-            if full || next.at != first.at {
-                break;
+    let (mut hits, mut bytes) = (0, 0);
+    let Queue {
+        light,
+        heavy,
+        heavy_first,
+        ..
+    } = queue;
+    let lines = if *heavy_first {
+        [heavy, light]
+    } else {
+        [light, heavy]
+    };
+    *heavy_first = !*heavy_first;
+    for line in lines {
+        while let Some(next) = line.front() {
+            if let Some(first) = taken.first() {
+                let full = taken.len() >= batch
+                    || hits + next.part.len() > MAX_CALL_HITS
+                    || bytes + next.part.bytes() > MAX_CALL_BYTES;
+                if full || next.at != first.at {
+                    break;
+                }
             }
+            let Some(next) = line.pop_front() else {
+                break;
+            };
+            hits += next.part.len();
+            bytes += next.part.bytes();
+            taken.push(next);
         }
-        let Some(next) = queue.waiting.pop_front() else {
-            break;
-        };
-        hits += next.part.len();
-        queue.hits -= next.part.len();
-        taken.push(next);
     }
+    queue.hits -= hits;
     taken
 }
 
@@ -268,10 +334,9 @@ async fn drive(shared: Arc<Shared>, lane: Arc<Lane>) {
         let batch = {
             let mut queue = lock(&lane.queue);
             for request in again.into_iter().rev() {
-                queue.hits += request.part.len();
-                queue.waiting.push_front(request);
+                queue.push_front(request);
             }
-            if queue.waiting.is_empty() {
+            if queue.is_empty() {
                 queue.in_flight -= 1;
                 return;
             }
@@ -378,4 +443,79 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
         shared.clock.restart(sent, answer.redis_now);
     }
     again
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::KeyLayout;
+    use super::super::script::{Mode, Nonce};
+    use super::*;
+    use crate::decision::{Hit, Role};
+    use crate::limit::{Limit, Unit};
+
+    /// A queued request of `hits` hits on keys of `key_bytes` bytes, named by its bound.
+    fn request(name: u64, hits: usize, key_bytes: usize) -> Request {
+        let hit = Hit {
+            key: String::new(),
+            limit: Limit::fixed(10, Unit::Minute),
+            hits: 1,
+            role: Role::Enforce,
+            lease: None,
+        };
+        let mut part = Part::new(Mode::Atomic, Nonce::new());
+        for n in 0..hits {
+            part.push(
+                format!("{n:0>key_bytes$}"),
+                &hit,
+                1,
+                None,
+                KeyLayout::Turnstile,
+            );
+        }
+        Request {
+            part,
+            at: None,
+            deadline: None,
+            bound: Duration::from_millis(name),
+            written: Arc::default(),
+            answer: oneshot::channel().0,
+            mailbox: None,
+            retried: false,
+        }
+    }
+
+    /// Light requests (1 hit of 10 bytes) go ahead of heavy ones queued before them; a call
+    /// carries at most 64 KiB of keys (heavy: 16 hits of 4 000 bytes, one per call with
+    /// anything light); every other call starts with the heavy ones, so one too large to
+    /// share a call (300 hits) goes alone although light ones keep coming.
+    #[test]
+    fn light_requests_go_first_but_heavy_ones_are_not_starved() {
+        let light = |name| request(name, 1, 10);
+        let heavy = |name| request(name, 16, 4_000);
+        // (requests queued, then the names the next call takes)
+        let steps: Vec<(Vec<Request>, Vec<u64>)> = vec![
+            (vec![heavy(1), heavy(2), light(3), light(4)], vec![3, 4, 1]),
+            (vec![light(5)], vec![2, 5]),
+            (vec![request(6, 300, 10), light(7)], vec![7]),
+            (vec![light(8)], vec![6]),
+            (vec![], vec![8]),
+            (vec![], vec![]),
+        ];
+        let mut queue = Queue::default();
+        for (n, (arrive, expected)) in steps.into_iter().enumerate() {
+            for request in arrive {
+                queue.push_back(request);
+            }
+            let taken: Vec<u64> = if queue.is_empty() {
+                Vec::new()
+            } else {
+                take(&mut queue, 64)
+                    .iter()
+                    .map(|r| r.bound.as_millis() as u64)
+                    .collect()
+            };
+            assert_eq!(taken, expected, "call {n}");
+        }
+        assert_eq!(queue.hits, 0, "every hit taken is counted out");
+    }
 }

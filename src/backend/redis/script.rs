@@ -179,6 +179,8 @@ pub(super) struct Part {
     nonce: Nonce,
     keys: Vec<String>,
     hits: Vec<PartHit>,
+    /// Its keys' and leases' bytes.
+    bytes: usize,
 }
 
 impl Part {
@@ -188,6 +190,7 @@ impl Part {
             nonce,
             keys: Vec::new(),
             hits: Vec::new(),
+            bytes: 0,
         }
     }
 
@@ -205,6 +208,7 @@ impl Part {
             LeaseOp::Acquire => format!("+{id}"),
             LeaseOp::Release => format!("-{id}"),
         });
+        self.bytes += key.len() + lease.as_ref().map_or(0, String::len);
         self.keys.push(key);
         self.hits.push(PartHit {
             spec: Spec {
@@ -223,6 +227,11 @@ impl Part {
     /// How many hits it carries.
     pub(super) fn len(&self) -> usize {
         self.keys.len()
+    }
+
+    /// How many bytes of keys and leases it carries.
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// The key its call is routed by (on a Cluster, every key of a part shares its slot).
