@@ -903,6 +903,48 @@ async fn cluster_keys_expire_and_share_their_limits_slot() {
     }
 }
 
+/// Limits whose identities are long (a descriptor value of 4 000 bytes) count as any other,
+/// each apart from one that differs only at its end, on short keys in one slot per limit.
+#[tokio::test]
+async fn long_identities_count_on_short_keys_in_their_limits_slot() {
+    let cluster = RedisCluster::shared();
+    let b = clustered(&cluster, "long:").await;
+    let padding = "x".repeat(4_000);
+    for kind in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
+        let hit = |end: &str| {
+            hit(
+                &format!("d|user={padding}{end}|{}:3600", kind.name()),
+                limit(kind, 2, Unit::Hour),
+                1,
+            )
+        };
+        let remaining = [
+            one(&b, &hit("a")).await.remaining,
+            one(&b, &hit("a")).await.remaining,
+            one(&b, &hit("b")).await.remaining,
+        ];
+        assert_eq!(remaining, [1, 0, 1], "{kind:?}");
+    }
+    let keys = cluster.keys("long:*");
+    assert!(keys.len() >= 6, "{} keys", keys.len());
+    let mut slots_by_limit: BTreeMap<String, Vec<u16>> = BTreeMap::new();
+    for (key, node) in &keys {
+        assert!(key.len() <= 160, "{key}");
+        let tag = key[..=key.find('}').unwrap()].to_string();
+        slots_by_limit
+            .entry(tag)
+            .or_default()
+            .push(slot_number(node, key));
+    }
+    assert_eq!(slots_by_limit.len(), 6, "{slots_by_limit:?}");
+    for (tag, slots) in slots_by_limit {
+        assert!(
+            slots.windows(2).all(|w| w[0] == w[1]),
+            "{tag}: slots {slots:?}"
+        );
+    }
+}
+
 // ---- resilience ----------------------------------------------------------------------------
 
 /// Requests while the server's script and function caches are flushed every 10 of them: none

@@ -2,6 +2,13 @@
 //! its keys share a slot. The reference server's (`<prefix><domain>_<key>_<value>_..._<window
 //! start>`, fixed windows only) is offered so that, during a rolling switch, turnstile and
 //! the Go server count fixed windows on the same keys.
+//!
+//! An identity holds the request's descriptor values, up to the request bounds (4 KiB by
+//! default): a longer one than `MAX_TAG_BYTES` is named in turnstile's layout by its head and
+//! a digest of the whole (`hash_tag`), so what Redis keeps, hashes and copies per limit does
+//! not grow with what a client sends.
+
+use std::borrow::Cow;
 
 use crate::key::unescape;
 use crate::limit::{Kind, Limit};
@@ -45,7 +52,7 @@ impl KeyLayout {
         } else {
             // The whole identity is the hash tag, so every key the script derives from it
             // (`<key>:<window>`, `<key>:n`) lands in the same Cluster slot.
-            format!("{prefix}{{{identity}}}")
+            format!("{prefix}{{{}}}", hash_tag(identity))
         }
     }
 
@@ -63,6 +70,25 @@ impl KeyLayout {
             KeyLayout::Reference => "fixed_window_reference",
         }
     }
+}
+
+/// Longest identity that is its own hash tag.
+const MAX_TAG_BYTES: usize = 128;
+/// A SHA-1 digest in hexadecimal.
+const DIGEST_CHARS: usize = 40;
+
+/// The hash tag of the limit whose identity is `identity`: the identity itself, or, past
+/// `MAX_TAG_BYTES`, its head, `{` and the SHA-1 of the whole (a stable digest: every instance
+/// and version names the limit alike). An identity never holds a brace (`crate::key` escapes
+/// them), so no identity's tag is another's digested one; a collision of SHA-1 would join only
+/// two identities both made for it, never one chosen in advance.
+pub(super) fn hash_tag(identity: &str) -> Cow<'_, str> {
+    if identity.len() <= MAX_TAG_BYTES {
+        return Cow::Borrowed(identity);
+    }
+    let head = &identity[..identity.floor_char_boundary(MAX_TAG_BYTES - DIGEST_CHARS - 1)];
+    let digest = sha1_smol::Sha1::from(identity).digest().to_string();
+    Cow::Owned(format!("{head}{{{digest}"))
 }
 
 /// `<prefix><domain>_<key>_<value>_..._` from an identity `<domain>|<key>=<value>|...`
@@ -89,6 +115,32 @@ mod tests {
     use super::*;
     use crate::key::limit_key;
     use crate::limit::Unit;
+
+    /// Short identities are their own tag; long ones (here a value of 4 000 bytes, ending in
+    /// a character of 2 bytes at the cut) are named by a head and a digest, bounded, distinct
+    /// for identities that differ only past the head, alike for the same identity, and never
+    /// equal to a short identity written to look like one (it cannot hold a brace).
+    #[test]
+    fn long_identities_are_named_by_their_head_and_a_digest() {
+        let limit = Limit::fixed(10, Unit::Minute);
+        let identity = |value: &str| limit_key("dom", [("user", value)], &limit, None);
+        let short = identity("alice");
+        assert_eq!(hash_tag(&short), short.as_str());
+        let long =
+            |last: char| identity(&format!("{}é{}{last}", "x".repeat(80), "y".repeat(4_000)));
+        let (a, b) = (long('a'), long('b'));
+        let (tag_a, tag_b) = (hash_tag(&a), hash_tag(&b));
+        assert!(tag_a.len() <= MAX_TAG_BYTES, "{tag_a}");
+        assert!(tag_a.starts_with("dom|user=xxxx"), "{tag_a}");
+        assert_ne!(tag_a, tag_b);
+        assert_eq!(tag_a, hash_tag(&a.clone()));
+        let lookalike = identity(&tag_a["dom|user=".len()..]);
+        assert_ne!(hash_tag(&lookalike), tag_a);
+        assert_eq!(
+            KeyLayout::Turnstile.key("pre:", &a, &limit),
+            format!("pre:{{{tag_a}}}")
+        );
+    }
 
     #[test]
     fn the_reference_layout_rebuilds_the_reference_key() {

@@ -191,7 +191,11 @@ impl RedisBackend {
         args: &[String],
     ) -> Result<i64, BackendError> {
         let shared = Arc::clone(&self.shared);
-        let key = format!("{}{{{identity}}}{suffix}", shared.key_prefix);
+        let key = format!(
+            "{}{{{}}}{suffix}",
+            shared.key_prefix,
+            layout::hash_tag(identity)
+        );
         let args = args.to_vec();
         let lua = lua.clone();
         on_io(async move {
