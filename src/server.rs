@@ -425,6 +425,8 @@ async fn run<B: Backend>(
     // One cap on calls in flight for all serving threads: `ShouldRateLimit` takes its place
     // once its message is here (`grpc`), the other methods as they start.
     let in_flight = Arc::new(Semaphore::new(args.max_in_flight));
+    // Two per serving thread: one deciding while the other waits for its backend.
+    let costly = Arc::new(Semaphore::new(2 * threads));
     let quota = Arc::new(quota);
     let mut servers = Vec::with_capacity(threads);
     for (n, handoff) in handoffs.into_iter().enumerate() {
@@ -439,6 +441,7 @@ async fn run<B: Backend>(
                         limiter.clone(),
                         args.max_message_bytes,
                         in_flight.clone(),
+                        costly.clone(),
                     ))
                     .load_shed()
                     .layer(GlobalConcurrencyLimitLayer::with_semaphore(

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
 use support::redis::{RedisCluster, RedisServer};
@@ -1081,6 +1082,90 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
         shed.len(),
         quantile(&shed_latency, 0.99),
     );
+}
+
+/// A costly call (a message over 8 KiB: 64 descriptors of 200 bytes) is decided only in one
+/// of two places per serving thread (one thread here); a light call needs none. Redis frozen,
+/// 2 s Redis timeout, domain `open` (allow on backend errors): two costly calls hold both
+/// places while they wait for Redis; a third waits for a place until its 300 ms deadline and
+/// is answered DEADLINE_EXCEEDED, while a light call beside it reaches Redis and, late, is
+/// allowed by the policy within its own 300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costly_calls_wait_for_a_few_places_light_ones_do_not() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let args = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout",
+        "2s",
+        "--breaker-failures",
+        "1000000",
+        "--grpc-threads",
+        "1",
+        "--request-timeout",
+        "5s",
+    ];
+    let mut t = Turnstile::start(rules.path(), &args).await;
+    let value = "v".repeat(200);
+    let costly = request(
+        "open",
+        (0..64)
+            .map(|n| descriptor(&[("signal", &format!("{n}-{value}"))]))
+            .collect(),
+    );
+    let light = request("open", vec![descriptor(&[("signal", "light")])]);
+    let channel = t.channel().await;
+    let call = |request: RateLimitRequest, timeout: Duration| {
+        let channel = channel.clone();
+        async move {
+            let mut request = tonic::Request::new(request);
+            request.set_timeout(timeout);
+            let started = Instant::now();
+            let answer = RateLimitServiceClient::new(channel)
+                .should_rate_limit(request)
+                .await;
+            (
+                answer.map(|a| a.into_inner().overall_code),
+                started.elapsed(),
+            )
+        }
+    };
+    assert!(call(light.clone(), Duration::from_secs(5)).await.0.is_ok());
+    redis.freeze();
+    let holders: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(call(costly.clone(), Duration::from_secs(5))))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (waiting, beside) = tokio::join!(
+        call(costly.clone(), Duration::from_millis(300)),
+        call(light.clone(), Duration::from_millis(300)),
+    );
+    let (waiting, waited) = waiting;
+    let status = waiting.expect_err("no place for the third costly call");
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("costly"), "{status:?}");
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    let (beside, took) = beside;
+    assert_eq!(
+        beside.expect("the light call is answered by the policy"),
+        1,
+        "OK"
+    );
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    redis.thaw();
+    for holder in holders {
+        let (answer, _) = holder.await.unwrap();
+        assert_eq!(
+            answer.expect("a costly call with a place is decided"),
+            1,
+            "OK"
+        );
+    }
+    assert!(t.alive(), "the instance died");
 }
 
 /// A call whose client deadline is shorter than the Redis timeout is cancelled by the server
