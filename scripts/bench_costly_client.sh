@@ -27,14 +27,8 @@ for b in "${baselines[@]}"; do
   case "$b" in *=*) BUILDS=("$b" "${BUILDS[@]}") ;; *) BUILDS=("baseline=$b" "${BUILDS[@]}") ;; esac
 done
 LOADGEN=target/release/turnstile-bench
-TMP="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/processes.sh
+. scripts/processes.sh
 
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

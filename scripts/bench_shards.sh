@@ -14,14 +14,8 @@ SECONDS_PER_RUN="${1:-10}"
 cargo build --release --quiet --workspace
 BIN=target/release/turnstile
 LOADGEN=target/release/turnstile-bench
-TMP="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/processes.sh
+. scripts/processes.sh
 
 free_port() { # a port with its Cluster bus port (+10000) free too
   python3 - <<'PY'

@@ -1733,6 +1733,23 @@ mod connections {
         );
     }
 
+    /// Wait (5 s at most) until the server counts `open` gRPC connections: one a client
+    /// closed counts until the server has seen it close.
+    async fn until_grpc_open(t: &Turnstile, open: f64) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t
+            .metric("turnstile_connections_open{listener=\"grpc\"}")
+            .await
+            != Some(open)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the closed connection still counts"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     #[tokio::test]
     async fn past_the_connection_cap_new_connections_are_closed_at_accept_open_ones_keep_working() {
         let (_rules, t) =
@@ -1781,18 +1798,7 @@ mod connections {
         }
         // A slot freed, once the server has seen the close, is taken again at once.
         clients.pop();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while t
-            .metric("turnstile_connections_open{listener=\"grpc\"}")
-            .await
-            != Some(2.0)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the closed connection still counts"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        until_grpc_open(&t, 2.0).await;
         decide(&mut client(&t).await)
             .await
             .expect("a new connection in the freed slot");
@@ -1833,18 +1839,7 @@ mod connections {
                 .expect("the peer's open connections keep working");
         }
         clients.pop();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while t
-            .metric("turnstile_connections_open{listener=\"grpc\"}")
-            .await
-            != Some(1.0)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the closed connection still counts"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        until_grpc_open(&t, 1.0).await;
         decide(&mut client(&t).await)
             .await
             .expect("a new connection in the peer's freed share");

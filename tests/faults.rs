@@ -988,6 +988,25 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
     );
 }
 
+/// The breaker's probe tests: a short Redis timeout, a breaker that opens after two failures,
+/// and calls allowed while it is open.
+const PROBE_FLAGS: [&str; 6] = [
+    "--redis-timeout",
+    "300ms",
+    "--breaker-failures",
+    "2",
+    "--on-backend-error",
+    "allow",
+];
+
+/// turnstile on `redis` (the Redis backend) with `rules` and `flags`.
+async fn on_redis(redis: &RedisServer, rules: &Rules, flags: &[&str]) -> Turnstile {
+    let url = redis.url();
+    let mut args = vec!["--backend", "redis", "--redis-url", &url];
+    args.extend_from_slice(flags);
+    Turnstile::start(rules.path(), &args).await
+}
+
 /// The in-flight cap: Redis frozen, `--max-in-flight 2 --redis-timeout 1s` and a breaker that
 /// never opens, so every call that gets in waits 1 s. Ten streams on ten connections: never
 /// more than two calls in the service, and every other call refused at once with
@@ -997,21 +1016,21 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let args = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &redis.url(),
-        "--redis-timeout",
-        "1s",
-        "--max-in-flight",
-        "2",
-        "--breaker-failures",
-        "1000000",
-        "--request-timeout",
-        "5s",
-    ];
-    let mut t = Turnstile::start(rules.path(), &args).await;
+    let mut t = on_redis(
+        &redis,
+        &rules,
+        &[
+            "--redis-timeout",
+            "1s",
+            "--max-in-flight",
+            "2",
+            "--breaker-failures",
+            "1000000",
+            "--request-timeout",
+            "5s",
+        ],
+    )
+    .await;
     let signal = request("faults", vec![descriptor(&[("signal", "cap")])]);
     let mut targets = Vec::new();
     for id in 0..10 {
@@ -1095,21 +1114,21 @@ async fn costly_calls_wait_for_a_few_places_light_ones_do_not() {
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let args = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &redis.url(),
-        "--redis-timeout",
-        "2s",
-        "--breaker-failures",
-        "1000000",
-        "--grpc-threads",
-        "1",
-        "--request-timeout",
-        "5s",
-    ];
-    let mut t = Turnstile::start(rules.path(), &args).await;
+    let mut t = on_redis(
+        &redis,
+        &rules,
+        &[
+            "--redis-timeout",
+            "2s",
+            "--breaker-failures",
+            "1000000",
+            "--grpc-threads",
+            "1",
+            "--request-timeout",
+            "5s",
+        ],
+    )
+    .await;
     let value = "v".repeat(200);
     let costly = request(
         "open",
@@ -1178,19 +1197,7 @@ async fn a_probe_cut_short_by_the_clients_deadline_is_answered_by_policy_and_doe
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let args = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &redis.url(),
-        "--redis-timeout",
-        "300ms",
-        "--breaker-failures",
-        "2",
-        "--on-backend-error",
-        "allow",
-    ];
-    let t = Turnstile::start(rules.path(), &args).await;
+    let t = on_redis(&redis, &rules, &PROBE_FLAGS).await;
     let mut client = RateLimitServiceClient::new(t.channel().await);
     let call = |deadline: Option<Duration>| {
         let mut r =
@@ -1281,19 +1288,7 @@ async fn a_probe_answered_out_of_memory_does_not_wedge_the_breaker() {
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let args = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &redis.url(),
-        "--redis-timeout",
-        "300ms",
-        "--breaker-failures",
-        "2",
-        "--on-backend-error",
-        "allow",
-    ];
-    let t = Turnstile::start(rules.path(), &args).await;
+    let t = on_redis(&redis, &rules, &PROBE_FLAGS).await;
     let mut client = RateLimitServiceClient::new(t.channel().await);
     let mut call = async || {
         let r = request("faults", vec![descriptor(&[("signal", "oom")])]);
