@@ -29,7 +29,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -185,8 +185,10 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
             Some(Ok(message)) => message,
             Some(Err(status)) => return status.into_http(),
             None => {
-                return Status::deadline_exceeded("the request's message did not arrive in time")
-                    .into_http();
+                return Status::deadline_exceeded(
+                    "the request's message did not arrive, or its stream did not end, in time",
+                )
+                .into_http();
             }
         };
         let Ok(_in_flight) = self.in_flight.try_acquire() else {
@@ -219,9 +221,11 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
     }
 }
 
-/// The body's one gRPC message (without its prefix), or the status to answer with. A unary
-/// call carries one message: bytes after it that have already arrived (in its frames, or in
-/// a frame that is here without waiting) are refused, as a second message would be ignored.
+/// The body's one gRPC message (without its prefix), once the body has ended, or the status
+/// to answer with. A unary call carries one message: bytes after it are refused, as a second
+/// message would be ignored. Envoy ends the stream with the message's frame, so it waits for
+/// nothing more; a client that leaves its stream open after the message waits until it ends
+/// it (or the call's deadline), as gRPC servers do for a unary call.
 async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
     let mut buffered = BytesMut::new();
     let message = loop {
@@ -254,12 +258,11 @@ async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
             break buffered.split_to(message).freeze();
         }
     };
-    // Envoy ends the stream with the message's frame; anything else is looked at only if it
-    // is already here.
-    if !body.is_end_stream() {
-        let mut here = Context::from_waker(Waker::noop());
-        if let Poll::Ready(Some(Ok(frame))) = Pin::new(&mut body).poll_frame(&mut here) {
-            only_message(frame.data_ref().map_or(0, Bytes::len))?;
+    while !body.is_end_stream() {
+        match std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            Some(Ok(frame)) => only_message(frame.data_ref().map_or(0, Bytes::len))?,
+            Some(Err(status)) => return Err(status),
+            None => break,
         }
     }
     Ok(message)

@@ -2175,10 +2175,12 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
     }
 }
 
-/// A request body as bytes on the wire: `data`, then the end of the stream, or (`stall`)
-/// nothing more, ever.
+/// A request body as bytes on the wire: `data`, then `later` in a frame of its own, then the
+/// end of the stream, or (`stall`) nothing more, ever.
+#[derive(Default)]
 struct RawBody {
     data: Option<bytes::Bytes>,
+    later: Option<bytes::Bytes>,
     stall: bool,
 }
 
@@ -2190,7 +2192,7 @@ impl http_body::Body for RawBody {
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
-        match self.data.take() {
+        match self.data.take().or_else(|| self.later.take()) {
             Some(data) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
             None if self.stall => std::task::Poll::Pending,
             None => std::task::Poll::Ready(None),
@@ -2291,6 +2293,7 @@ async fn stalled_streams_hold_no_place_among_the_calls_in_flight() {
             let body = RawBody {
                 data: Some(framed(0, message.len(), b"")),
                 stall: true,
+                ..Default::default()
             };
             let send = send.clone();
             tokio::spawn(async move {
@@ -2303,6 +2306,7 @@ async fn stalled_streams_hold_no_place_among_the_calls_in_flight() {
     let whole = RawBody {
         data: Some(framed(0, message.len(), &message)),
         stall: false,
+        ..Default::default()
     };
     let decided = raw_should_rate_limit(&t, "5S", whole).await;
     assert_eq!(decided.code(), tonic::Code::Ok, "{decided:?}");
@@ -2334,6 +2338,7 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
     let whole = |data| RawBody {
         data: Some(data),
         stall: false,
+        ..Default::default()
     };
     let rows: Vec<(&str, RawBody, tonic::Code, &str)> = vec![
         (
@@ -2341,6 +2346,7 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
             RawBody {
                 data: None,
                 stall: false,
+                ..Default::default()
             },
             tonic::Code::InvalidArgument,
             "ended after 0 bytes",
@@ -2395,13 +2401,34 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
             "carries one message",
         ),
         (
+            "a second message in a frame of its own",
+            RawBody {
+                data: Some(framed(0, message.len(), &message)),
+                later: Some(framed(0, message.len(), &message)),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "carries one message",
+        ),
+        (
+            "a message, then a stream left open",
+            RawBody {
+                data: Some(framed(0, message.len(), &message)),
+                stall: true,
+                ..Default::default()
+            },
+            tonic::Code::DeadlineExceeded,
+            "did not end",
+        ),
+        (
             "a stalled body",
             RawBody {
                 data: Some(framed(0, message.len(), b"")),
                 stall: true,
+                ..Default::default()
             },
             tonic::Code::DeadlineExceeded,
-            "did not arrive in time",
+            "did not arrive",
         ),
     ];
     for (name, body, code, message) in rows {
@@ -2415,6 +2442,7 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
     let stalled = RawBody {
         data: Some(framed(0, message.len(), b"")),
         stall: true,
+        ..Default::default()
     };
     let started = std::time::Instant::now();
     let status = raw_should_rate_limit(&t, "1H", stalled).await;
