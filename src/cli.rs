@@ -566,6 +566,10 @@ pub struct ServeArgs {
     /// RESOURCE_EXHAUSTED (its Envoy retries).
     #[arg(long, env = "TURNSTILE_RLQS_MAX_STREAMS", default_value_t = crate::rlqs::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub rlqs_max_streams: usize,
+    /// Of those, the most one peer address may hold; one more from it is refused
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TURNSTILE_RLQS_MAX_STREAMS_PER_PEER", default_value_t = crate::rlqs::DEFAULT_MAX_STREAMS_PER_PEER, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub rlqs_max_streams_per_peer: usize,
 
     /// Report not-serving while the rules define no domain.
     #[arg(long, env = "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]

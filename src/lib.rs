@@ -24,6 +24,7 @@ pub mod limit;
 pub mod listener;
 pub mod metrics;
 pub mod pacemaker;
+pub mod peers;
 pub mod plan;
 pub mod reload;
 pub mod request;

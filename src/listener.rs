@@ -18,13 +18,12 @@
 //! answers finished in the same scheduler tick leave in one write instead of one each
 //! (unless such yields keep gathering nothing, as for a client with one call at a time).
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io::{self, IoSlice};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -38,6 +37,7 @@ use tokio_rustls::TlsAcceptor;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use crate::metrics::ConnectionMetrics;
+use crate::peers::{FromPeer, Peers};
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -353,50 +353,6 @@ impl Handshake {
 pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
-
-/// A port's open connections by peer address (an IPv4 peer on an IPv6 socket counts as
-/// its IPv4 address). Only addresses with a connection open have an entry, so the map is
-/// bounded by the port's cap.
-#[derive(Default, Clone)]
-struct Peers(Arc<Mutex<HashMap<IpAddr, usize>>>);
-
-impl Peers {
-    /// One more connection from `ip`, unless it has `max` open already.
-    fn take(&self, ip: IpAddr, max: usize) -> Option<FromPeer> {
-        let ip = ip.to_canonical();
-        let mut open = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = open.entry(ip).or_default();
-        if *count >= max {
-            if *count == 0 {
-                open.remove(&ip);
-            }
-            return None;
-        }
-        *count += 1;
-        Some(FromPeer {
-            peers: self.clone(),
-            ip,
-        })
-    }
-}
-
-/// Counts one connection against its peer's share while it is open.
-struct FromPeer {
-    peers: Peers,
-    ip: IpAddr,
-}
-
-impl Drop for FromPeer {
-    fn drop(&mut self) {
-        let mut open = self.peers.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(count) = open.get_mut(&self.ip) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
 
 /// Holds one of a port's connection slots, and its peer's, while the connection is open.
 struct Slot {
@@ -763,7 +719,7 @@ mod tests {
             _slot: Slot::new(
                 permit,
                 Peers::default()
-                    .take(IpAddr::from([127, 0, 0, 1]), 1)
+                    .take(std::net::IpAddr::from([127, 0, 0, 1]), 1)
                     .unwrap(),
                 Gauge::noop(),
             ),
@@ -876,32 +832,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    /// A peer's connections count against its share until they close; an IPv4 peer seen as
-    /// an IPv4-mapped IPv6 address is the same peer, and a peer with none open has no entry.
-    #[test]
-    fn a_peer_takes_at_most_its_share_and_gives_it_back() {
-        let peers = Peers::default();
-        let v4 = IpAddr::from([10, 0, 0, 1]);
-        let mapped = IpAddr::from([0, 0, 0, 0, 0, 0xffff, 0x0a00, 0x0001]);
-        let other = IpAddr::from([10, 0, 0, 2]);
-        let first = peers.take(v4, 2).expect("within the share");
-        let second = peers.take(mapped, 2).expect("within the share");
-        assert!(
-            peers.take(v4, 2).is_none(),
-            "the mapped address is the same peer"
-        );
-        let third = peers
-            .take(other, 2)
-            .expect("another peer has its own share");
-        drop(first);
-        let fourth = peers
-            .take(v4, 2)
-            .expect("a closed connection gives its place back");
-        assert!(peers.take(v4, 0).is_none());
-        drop((second, third, fourth));
-        assert!(peers.0.lock().unwrap().is_empty());
     }
 
     /// Serving threads each run their own runtime; here one runtime stands in for them,

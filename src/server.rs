@@ -322,6 +322,7 @@ async fn run<B: Backend>(
             bounds: settings(args).bounds,
             max_bytes: args.rlqs_max_bytes,
             max_streams: args.rlqs_max_streams,
+            max_streams_per_peer: args.rlqs_max_streams_per_peer,
         },
         metrics.clone(),
     );

@@ -702,27 +702,40 @@ async fn streams_together_track_a_bounded_number_of_buckets() {
     );
 }
 
-/// Streams open at once are bounded (`--rlqs-max-streams`, 2 here): one more is refused
-/// RESOURCE_EXHAUSTED while the open ones keep being answered, and once Envoy ends one, a
-/// new stream takes its place.
+/// Streams open at once are bounded, in all (`--rlqs-max-streams`) and per peer address
+/// (`--rlqs-max-streams-per-peer`; every stream here comes from 127.0.0.1), 2 in each row: one
+/// more is refused RESOURCE_EXHAUSTED while the open ones keep being answered, and once Envoy
+/// ends one, a new stream takes its place.
 #[tokio::test]
 async fn open_streams_are_bounded() {
     let rules = Rules::new(USERS);
-    let turnstile = Turnstile::start(rules.path(), &["--rlqs-max-streams", "2"]).await;
-    let mut first = Stream::open(&turnstile).await;
-    let mut second = Stream::open(&turnstile).await;
-    let refused = Stream::try_open(&turnstile).await.err().map(|s| s.code());
-    assert_eq!(refused, Some(tonic::Code::ResourceExhausted));
-    for (tag, stream) in [("first", &mut first), ("second", &mut second)] {
+    for flag in ["--rlqs-max-streams", "--rlqs-max-streams-per-peer"] {
+        let turnstile = Turnstile::start(rules.path(), &[flag, "2"]).await;
+        let mut first = Stream::open(&turnstile).await;
+        let mut second = Stream::open(&turnstile).await;
+        let refused = Stream::try_open(&turnstile).await.err();
         assert_eq!(
-            stream.report_many(tag, 1).await,
-            [("tokens 100".into(), 1)].into()
+            refused.as_ref().map(tonic::Status::code),
+            Some(tonic::Code::ResourceExhausted),
+            "{flag}: {refused:?}"
+        );
+        assert!(
+            refused.unwrap().message().contains(&format!("({flag})")),
+            "{flag}"
+        );
+        for (tag, stream) in [("first", &mut first), ("second", &mut second)] {
+            assert_eq!(
+                stream.report_many(tag, 1).await,
+                [("tokens 100".into(), 1)].into(),
+                "{flag}"
+            );
+        }
+        first.close().await;
+        let mut third = Stream::open(&turnstile).await;
+        assert_eq!(
+            third.report_many("third", 1).await,
+            [("tokens 100".into(), 1)].into(),
+            "{flag}"
         );
     }
-    first.close().await;
-    let mut third = Stream::open(&turnstile).await;
-    assert_eq!(
-        third.report_many("third", 1).await,
-        [("tokens 100".into(), 1)].into()
-    );
 }

@@ -34,6 +34,9 @@ pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 /// Default bound on the streams open at once (`Settings::max_streams`).
 pub const DEFAULT_MAX_STREAMS: usize = 1_024;
 
+/// Default bound on the streams one peer address holds (`Settings::max_streams_per_peer`).
+pub const DEFAULT_MAX_STREAMS_PER_PEER: usize = 64;
+
 /// How the service is set up.
 pub struct Settings {
     /// An assignment's life without a new report (and its reservation's).
@@ -51,6 +54,9 @@ pub struct Settings {
     /// times the largest message each), so their number is bounded too. One more is
     /// refused RESOURCE_EXHAUSTED, and its Envoy retries.
     pub max_streams: usize,
+    /// Of those, the most one peer address may hold, so that one client cannot take them
+    /// all.
+    pub max_streams_per_peer: usize,
 }
 
 /// What the service counts.

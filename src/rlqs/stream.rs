@@ -36,6 +36,7 @@ use crate::active::ActiveRules;
 use crate::config::DomainRules;
 use crate::decision::FailurePolicy;
 use crate::metrics::{Metrics, StatsKey};
+use crate::peers::{FromPeer, Peers};
 
 /// What a bucket's first report is taken to cover (Envoy reports every 5 s).
 const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
@@ -66,6 +67,8 @@ struct Inner {
     tracked: Arc<AtomicUsize>,
     /// A place per open stream (`Settings::max_streams`).
     open: Arc<Semaphore>,
+    /// Open streams by peer address (`Settings::max_streams_per_peer`).
+    peers: Peers,
 }
 
 impl QuotaService {
@@ -82,6 +85,7 @@ impl QuotaService {
                 local: MemoryShares::new(LOCAL_MAX_BUCKETS),
                 counters: RlqsMetrics::new(&metrics),
                 open: Arc::new(Semaphore::new(settings.max_streams)),
+                peers: Peers::default(),
                 settings,
                 metrics,
                 tracked: Arc::default(),
@@ -100,6 +104,25 @@ impl RateLimitQuotaService for QuotaService {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
+        let settings = &self.inner.settings;
+        let from_peer = match request.remote_addr() {
+            Some(peer) => {
+                let share = self
+                    .inner
+                    .peers
+                    .take(peer.ip(), settings.max_streams_per_peer);
+                let Some(share) = share else {
+                    return Err(Status::resource_exhausted(format!(
+                        "{} RLQS streams are open from {}, the most one peer may hold \
+                         (--rlqs-max-streams-per-peer)",
+                        settings.max_streams_per_peer,
+                        peer.ip()
+                    )));
+                };
+                Some(share)
+            }
+            None => None,
+        };
         let Ok(place) = self.inner.open.clone().try_acquire_owned() else {
             return Err(Status::resource_exhausted(format!(
                 "{} RLQS streams are open, the most this server takes (--rlqs-max-streams)",
@@ -107,12 +130,22 @@ impl RateLimitQuotaService for QuotaService {
             )));
         };
         let (tx, rx) = mpsc::channel(QUEUED_ANSWERS);
-        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx, place));
+        let held = Held {
+            _place: place,
+            _from_peer: from_peer,
+        };
+        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx, held));
         let answers = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|answer| (answer, rx))
         });
         Ok(Response::new(Box::pin(answers)))
     }
+}
+
+/// What an open stream holds: its place among all streams, and among its peer's.
+struct Held {
+    _place: OwnedSemaphorePermit,
+    _from_peer: Option<FromPeer>,
 }
 
 /// One limited bucket as the stream knows it.
@@ -137,7 +170,7 @@ impl Inner {
         self: Arc<Self>,
         mut reports: Streaming<RateLimitQuotaUsageReports>,
         tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
-        place: OwnedSemaphorePermit,
+        held: Held,
     ) {
         self.counters.streams.increment(1.0);
         let mut state = StreamState {
@@ -191,8 +224,8 @@ impl Inner {
             });
         }
         self.counters.streams.decrement(1.0);
-        // Free before the answers end (`tx`), so that Envoy's next stream finds it free.
-        drop(place);
+        // Free before the answers end (`tx`), so that Envoy's next stream finds them free.
+        drop(held);
         drop(tx);
     }
 
