@@ -126,7 +126,7 @@ impl RateLimitQuotaService for QuotaService {
         let Ok(place) = self.inner.open.clone().try_acquire_owned() else {
             return Err(Status::resource_exhausted(format!(
                 "{} RLQS streams are open, the most this server takes (--rlqs-max-streams)",
-                self.inner.settings.max_streams
+                settings.max_streams
             )));
         };
         let (tx, rx) = mpsc::channel(QUEUED_ANSWERS);

@@ -50,9 +50,7 @@ impl KeyLayout {
         if self.reference(limit) {
             reference_key(prefix, identity)
         } else {
-            // The whole identity is the hash tag, so every key the script derives from it
-            // (`<key>:<window>`, `<key>:n`) lands in the same Cluster slot.
-            format!("{prefix}{{{}}}", hash_tag(identity))
+            tagged(prefix, identity)
         }
     }
 
@@ -72,6 +70,13 @@ impl KeyLayout {
     }
 }
 
+/// `<prefix>{<tag>}`: the key of the limit whose identity is `identity`. The tag stands for
+/// the whole identity, so every key derived from it (the script's `<key>:<window>` and
+/// `<key>:n`, another module's `<key><suffix>`) lands in the limit's Cluster slot.
+pub(super) fn tagged(prefix: &str, identity: &str) -> String {
+    format!("{prefix}{{{}}}", hash_tag(identity))
+}
+
 /// Longest identity that is its own hash tag.
 const MAX_TAG_BYTES: usize = 128;
 /// A SHA-1 digest in hexadecimal.
@@ -82,7 +87,7 @@ const DIGEST_CHARS: usize = 40;
 /// and version names the limit alike). An identity never holds a brace (`crate::key` escapes
 /// them), so no identity's tag is another's digested one; a collision of SHA-1 would join only
 /// two identities both made for it, never one chosen in advance.
-pub(super) fn hash_tag(identity: &str) -> Cow<'_, str> {
+fn hash_tag(identity: &str) -> Cow<'_, str> {
     if identity.len() <= MAX_TAG_BYTES {
         return Cow::Borrowed(identity);
     }

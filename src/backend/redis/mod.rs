@@ -191,11 +191,7 @@ impl RedisBackend {
         args: &[String],
     ) -> Result<i64, BackendError> {
         let shared = Arc::clone(&self.shared);
-        let key = format!(
-            "{}{{{}}}{suffix}",
-            shared.key_prefix,
-            layout::hash_tag(identity)
-        );
+        let key = layout::tagged(&shared.key_prefix, identity) + suffix;
         let args = args.to_vec();
         let lua = lua.clone();
         on_io(async move {
