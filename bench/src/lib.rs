@@ -6,9 +6,9 @@
 //! Closed loop (the default): `--concurrency` calls are kept in flight, each worker sending
 //! its next call when the previous one answers; this finds the peak rate. Open loop
 //! (`--rate`): calls are due at a fixed arrival rate and each latency is measured from the
-//! time the call was *due*, not from when a worker got round to sending it, so a server that
-//! falls behind shows its queueing in the percentiles instead of slowing the generator down
-//! (no coordinated omission). Every run is bounded in time (`--duration`, plus at most one
+//! time the call was *due*, not from when it was sent, so a server that falls behind shows
+//! its queueing in the percentiles instead of slowing the generator down (no coordinated
+//! omission); the calls due are released together every [`TICK`]. Every run is bounded in time (`--duration`, plus at most one
 //! `--timeout` to drain) and optionally in count (`--requests`).
 
 use std::collections::BTreeMap;
@@ -190,16 +190,17 @@ impl Tally {
         }
     }
 
-    fn record(
-        &mut self,
-        answer: &Result<RateLimitResponse, tonic::Status>,
-        latency: Duration,
-        service: Duration,
-    ) {
-        match answer {
+    /// A call's answer and times, unless it was due before `measure_from` (the warm-up).
+    fn record(&mut self, call: &Call, measure_from: std::time::Instant) {
+        if call.due < measure_from {
+            return;
+        }
+        match &call.answer {
             Ok(response) => {
-                self.latency.saturating_record(nanos(latency));
-                self.service.saturating_record(nanos(service));
+                self.latency
+                    .saturating_record(nanos(call.answered - call.due));
+                self.service
+                    .saturating_record(nanos(call.answered - call.sent));
                 match Code::try_from(response.overall_code) {
                     Ok(Code::Ok) => self.ok += 1,
                     Ok(Code::OverLimit) => self.over_limit += 1,
@@ -291,40 +292,22 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
     }
 }
 
-/// The shared plan of a run.
+/// The shared plan of a closed loop.
 struct Run {
     requests: Requests,
     /// When counting starts (after the warm-up) and when sending stops.
     measure_from: Instant,
     until: Instant,
-    /// Open loop: when calls are due.
-    schedule: Option<Arc<Schedule>>,
-    /// Measured calls claimed, for `--requests` (closed loop).
+    /// Measured calls claimed, for `--requests`.
     measured: AtomicU64,
     cap: u64,
 }
 
-/// An open loop's timetable: call `i` is due `i / rate` seconds after `start`. A pacer task
-/// releases each call (one semaphore permit) when it falls due; a free worker takes it at
-/// once. The pacer sleeps on a [`PreciseTimer`] until the next due time, so a call leaves
-/// after its due time by the runtime's wake-up (and any wait for a free worker); latency
-/// counts from the due time, so that delay is included, never hidden, and the service time
-/// (send to answer) is reported beside it.
-struct Schedule {
-    /// Every call of the run, the warm-up's included.
-    timetable: Timetable,
-    released: tokio::sync::Semaphore,
-    /// Next call to take.
-    next: AtomicU64,
-    /// Calls due but never sent, set when the pacer ends.
-    unsent: AtomicU64,
-}
-
 /// When each call of an open loop is due: call `i` at `i / rate` seconds after `start`. The
-/// pacer's releases and sleeps and each call's latency all read [`Timetable::due`]: a due
-/// time computed two ways (an interval rounded to the nanosecond, against `elapsed × rate`)
-/// drifts a fraction of a nanosecond a call, and once the drift passes one interval the pacer
-/// finds its next call already due by one reckoning and not by the other, and spins.
+/// pacer's releases and each call's latency both read [`Timetable::due`], so that a call is
+/// released by the same reckoning it is timed by: computed two ways (an interval rounded to
+/// the nanosecond, against `elapsed × rate`), the two drift apart a fraction of a nanosecond
+/// a call.
 #[derive(Debug, Clone, Copy)]
 struct Timetable {
     start: std::time::Instant,
@@ -334,6 +317,20 @@ struct Timetable {
 }
 
 impl Timetable {
+    /// `seconds` at `rate`, the warm-up's calls included; with a `cap` (`--requests`), at
+    /// most that many after the warm-up's.
+    fn new(start: Instant, rate: f64, seconds: f64, cap: u64, warmup_calls: u64) -> Timetable {
+        let mut total = (seconds * rate).ceil() as u64;
+        if cap > 0 {
+            total = total.min(warmup_calls + cap);
+        }
+        Timetable {
+            start: start.into_std(),
+            rate,
+            total,
+        }
+    }
+
     fn due(&self, i: u64) -> std::time::Instant {
         self.start + Duration::from_secs_f64(i as f64 / self.rate)
     }
@@ -348,42 +345,122 @@ impl Timetable {
     }
 }
 
-/// A one-shot timer precise to the microsecond that the generator's runtime waits on like a
-/// socket: a Linux timerfd registered with its reactor. The runtime's own timers tick in
-/// milliseconds, too coarse to space calls at tens of thousands a second. It replaced a pacer
-/// thread that slept and then woke the runtime: one thread fewer competing for the cores the
-/// measured service shares, and a lower p99 at half the peak in interleaved runs, though
-/// arming it for every release costs the generator more CPU (about 4 µs a call on a VM,
-/// where programming a timer traps to the host; BENCHMARKS.md).
-struct PreciseTimer(tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>);
+/// How often an open loop's pacer wakes: the calls that fall due between two ticks leave
+/// together at the second, in one write per connection, each at most this late (and
+/// counted late, since latency runs from its due time). Woken for each call by a timer
+/// armed for it, the generator spent more of the cores it shares with the service than the
+/// service did (about 25 µs a call at 40 000/s, where a closed loop spends 6; on a VM,
+/// setting a timer alone cost about 6 µs), and its own delays set the p99 it reported. A
+/// tenth of a millisecond is a twentieth of the tightest latency target it measures (2 ms).
+const TICK: Duration = Duration::from_micros(100);
 
-impl PreciseTimer {
-    fn new() -> std::io::Result<PreciseTimer> {
-        use rustix::time::{TimerfdClockId, TimerfdFlags, timerfd_create};
+/// An open loop: one task sends every call of the timetable once it is due, at most
+/// `concurrency` in flight (a due call waits for an answer to free a place, and its wait
+/// counts), and records the answers. Calls not sent within `grace` of the last due time
+/// are counted unsent. All of it in one task, so the calls due at a tick are all queued on
+/// their connections before any connection writes.
+struct OpenLoop {
+    timetable: Timetable,
+    concurrency: usize,
+    timeout: Duration,
+    grace: Duration,
+}
+
+impl OpenLoop {
+    /// The calls' tally and how many went unsent.
+    async fn run(
+        self,
+        requests: Requests,
+        mut rng: fastrand::Rng,
+        measure_from: std::time::Instant,
+        clients: Vec<grpc::Connection>,
+    ) -> std::io::Result<(Tally, u64)> {
+        let OpenLoop {
+            timetable,
+            concurrency,
+            timeout,
+            grace,
+        } = self;
+        let mut ticker = Some(Ticker::every(TICK)?);
+        let mut tally = Tally::new();
+        let mut in_flight = futures_util::stream::FuturesUnordered::new();
+        let last_send = timetable.due(timetable.total) + grace;
+        // Calls due at the last tick, calls sent, and calls that will be (all of them,
+        // unless some miss the grace).
+        let (mut released, mut sent, mut to_send) = (0u64, 0u64, timetable.total);
+        loop {
+            while sent < released && in_flight.len() < concurrency {
+                let mut client = clients[sent as usize % clients.len()].clone();
+                let request = requests.build(&mut rng);
+                let due = timetable.due(sent);
+                in_flight.push(async move { timed_call(&mut client, due, request, timeout).await });
+                sent += 1;
+            }
+            if sent == to_send {
+                // Nothing left to pace: the timer stops.
+                ticker = None;
+                if in_flight.is_empty() {
+                    return Ok((tally, timetable.total - sent));
+                }
+            }
+            tokio::select! {
+                Some(call) = futures_util::StreamExt::next(&mut in_flight) => {
+                    tally.record(&call, measure_from);
+                }
+                ticked = async {
+                    match &ticker {
+                        Some(ticker) => ticker.tick().await,
+                        None => std::future::pending().await,
+                    }
+                }, if ticker.is_some() => {
+                    ticked?;
+                    let now = std::time::Instant::now();
+                    if now > last_send {
+                        to_send = sent;
+                    }
+                    released = timetable.due_at(released, now).min(to_send);
+                }
+            }
+        }
+    }
+}
+
+/// A periodic timer precise to the microsecond that the generator's runtime waits on like a
+/// socket: a Linux timerfd registered with its reactor. The runtime's own timers tick in
+/// milliseconds, too coarse to space calls at tens of thousands a second. Periodic, the
+/// kernel rearms it, where a timer set for each wake-up costs a system call each time.
+struct Ticker(tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>);
+
+impl Ticker {
+    /// A timer that ticks every `period` from now on (`period` at least a nanosecond).
+    fn every(period: Duration) -> std::io::Result<Ticker> {
+        use rustix::time::{
+            Itimerspec, TimerfdClockId, TimerfdFlags, TimerfdTimerFlags, Timespec, timerfd_create,
+            timerfd_settime,
+        };
         let fd = timerfd_create(
             TimerfdClockId::Monotonic,
             TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
         )?;
+        // A zero setting would disarm it.
+        let period = Timespec::try_from(period.max(Duration::from_nanos(1)))
+            .map_err(std::io::Error::other)?;
+        let every = Itimerspec {
+            it_interval: period,
+            it_value: period,
+        };
+        timerfd_settime(&fd, TimerfdTimerFlags::empty(), &every)?;
         // SAFETY: the descriptor is owned by the `OwnedFd` that the `AsyncFd` owns, and it
         // is never closed or replaced while registered.
         let fd = unsafe {
             tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
         }?;
-        Ok(PreciseTimer(fd))
+        Ok(Ticker(fd))
     }
 
-    /// Wait `wait` (none when zero: a zero timerfd is disarmed and would never fire).
-    async fn sleep(&self, wait: Duration) -> std::io::Result<()> {
-        use rustix::time::{Itimerspec, TimerfdTimerFlags, Timespec, timerfd_settime};
-        if wait.is_zero() {
-            return Ok(());
-        }
-        let value = Timespec::try_from(wait).map_err(std::io::Error::other)?;
-        let once = Itimerspec {
-            it_interval: Timespec::default(),
-            it_value: value,
-        };
-        timerfd_settime(self.0.get_ref(), TimerfdTimerFlags::empty(), &once)?;
+    /// The next tick, or at once if ticks passed unread since the last wait (they count as
+    /// one). Cancel-safe: dropped unfinished, it leaves the ticks unread.
+    async fn tick(&self) -> std::io::Result<()> {
         loop {
             let mut ready = self.0.readable().await?;
             // Reading the expiry count rearms readiness; WouldBlock means it was stale.
@@ -395,83 +472,9 @@ impl PreciseTimer {
     }
 }
 
-impl Schedule {
-    fn new(start: Instant, rate: f64, seconds: f64, cap: u64, warmup_calls: u64) -> Schedule {
-        let mut total = (seconds * rate).ceil() as u64;
-        if cap > 0 {
-            total = total.min(warmup_calls + cap);
-        }
-        Schedule {
-            timetable: Timetable {
-                start: start.into_std(),
-                rate,
-                total,
-            },
-            released: tokio::sync::Semaphore::new(0),
-            next: AtomicU64::new(0),
-            unsent: AtomicU64::new(0),
-        }
-    }
-
-    /// Release calls as they fall due: a task on the generator's own runtime. Once all are
-    /// released it waits for them to be taken, at most `grace` past the end, then counts the
-    /// rest as unsent. Then, or on the timer's failure, it stops the workers.
-    async fn pace(self: Arc<Self>, grace: Duration) -> std::io::Result<()> {
-        let paced = self.release(grace).await;
-        self.released.close();
-        paced
-    }
-
-    /// The pacer's work: every call released on time, then the wait for the last ones.
-    async fn release(&self, grace: Duration) -> std::io::Result<()> {
-        let timer = PreciseTimer::new()?;
-        let Schedule {
-            timetable,
-            released,
-            next,
-            unsent,
-        } = self;
-        let total = timetable.total;
-        let mut done = 0u64;
-        while done < total {
-            let now = std::time::Instant::now();
-            let due = timetable.due_at(done, now);
-            if due > done {
-                released.add_permits((due - done) as usize);
-                done = due;
-            }
-            if done < total {
-                timer
-                    .sleep(timetable.due(done).saturating_duration_since(now))
-                    .await?;
-            }
-        }
-        let end = Instant::from_std(timetable.due(total)) + grace;
-        while next.load(Ordering::Relaxed) < total && Instant::now() < end {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        unsent.store(
-            total.saturating_sub(next.load(Ordering::Relaxed)),
-            Ordering::Relaxed,
-        );
-        Ok(())
-    }
-
-    /// The next due call's time, once it is due; None when the run is over.
-    async fn take(&self) -> Option<Instant> {
-        self.released.acquire().await.ok()?.forget();
-        let slot = self.next.fetch_add(1, Ordering::Relaxed);
-        (slot < self.timetable.total).then(|| self.timetable.due(slot).into())
-    }
-}
-
 impl Run {
-    /// Claim the next call: its due time (open loop) or now (closed loop), or None when the
-    /// run is over.
-    async fn next_call(&self) -> Option<Instant> {
-        if let Some(schedule) = &self.schedule {
-            return schedule.take().await;
-        }
+    /// Claim the next call's send time (now), or None when the run is over.
+    fn next_call(&self) -> Option<Instant> {
         let now = Instant::now();
         if now >= self.until {
             return None;
@@ -548,22 +551,32 @@ pub async fn worker<C: Calls, K: Client>(
         let count = clients.len();
         let client = &mut clients[turn % count];
         turn = turn.wrapping_add(1);
-        let sent = std::time::Instant::now();
-        let answer = tokio::time::timeout(timeout, client.call(request))
-            .await
-            .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(CLIENT_TIMEOUT)));
-        calls.record(Call {
-            due,
-            sent,
-            answered: std::time::Instant::now(),
-            answer,
-        });
+        calls.record(timed_call(client, due, request, timeout).await);
     }
     calls
 }
 
-/// The generator's side of a worker: requests from the run's plan, answers into a tally
-/// once measuring has begun.
+/// One call, sent now, bounded by `timeout`.
+async fn timed_call<K: Client>(
+    client: &mut K,
+    due: std::time::Instant,
+    request: RateLimitRequest,
+    timeout: Duration,
+) -> Call {
+    let sent = std::time::Instant::now();
+    let answer = tokio::time::timeout(timeout, client.call(request))
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(CLIENT_TIMEOUT)));
+    Call {
+        due,
+        sent,
+        answered: std::time::Instant::now(),
+        answer,
+    }
+}
+
+/// The generator's side of a closed-loop worker: requests from the run's plan, answers into
+/// a tally once measuring has begun.
 struct Generated {
     run: Arc<Run>,
     rng: fastrand::Rng,
@@ -572,18 +585,12 @@ struct Generated {
 
 impl Calls for Generated {
     async fn next(&mut self) -> Option<(std::time::Instant, RateLimitRequest)> {
-        let due = self.run.next_call().await?;
+        let due = self.run.next_call()?;
         Some((due.into_std(), self.run.requests.build(&mut self.rng)))
     }
 
     fn record(&mut self, call: Call) {
-        if call.due >= self.run.measure_from.into_std() {
-            self.tally.record(
-                &call.answer,
-                call.answered - call.due,
-                call.answered - call.sent,
-            );
-        }
+        self.tally.record(&call, self.run.measure_from.into_std());
     }
 }
 
@@ -681,6 +688,7 @@ impl Report {
             "targets": a.targets,
             "mode": if a.rate.is_some() { "open" } else { "closed" },
             "rate": a.rate,
+            "tick_us": a.rate.map(|_| TICK.as_micros() as u64),
             "concurrency": a.concurrency,
             "connections": a.connections,
             "keys": a.keys,
@@ -718,7 +726,8 @@ impl Report {
         let a = &self.args;
         let mode = match a.rate {
             Some(rate) => format!(
-                "open loop at {rate:.0}/s (at most {} in flight)",
+                "open loop at {rate:.0}/s, released every {} µs (at most {} in flight)",
+                TICK.as_micros(),
                 a.concurrency
             ),
             None => format!("closed loop, {} in flight", a.concurrency),
@@ -817,38 +826,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     let start = Instant::now();
     let measure_from = start + args.warmup;
     let until = measure_from + args.duration;
-    let run = Arc::new(Run {
-        requests: Requests {
-            domain: args.domain.clone(),
-            keys: args.descriptor_keys.clone(),
-            prefix: args.value_prefix.clone(),
-            descriptors: args.descriptors,
-            cardinality: args.keys,
-            order: args.key_order,
-            sequence: AtomicU64::new(0),
-        },
-        measure_from,
-        until,
-        schedule: args.rate.map(|rate| {
-            let seconds = (args.warmup + args.duration).as_secs_f64();
-            let warmup_calls = (args.warmup.as_secs_f64() * rate).ceil() as u64;
-            Arc::new(Schedule::new(
-                start,
-                rate,
-                seconds,
-                args.requests,
-                warmup_calls,
-            ))
-        }),
-        measured: AtomicU64::new(0),
-        cap: args.requests,
-    });
-    let pacer = run
-        .schedule
-        .clone()
-        .map(|schedule| tokio::spawn(schedule.pace(args.timeout)));
+    let requests = Requests {
+        domain: args.domain.clone(),
+        keys: args.descriptor_keys.clone(),
+        prefix: args.value_prefix.clone(),
+        descriptors: args.descriptors,
+        cardinality: args.keys,
+        order: args.key_order,
+        sequence: AtomicU64::new(0),
+    };
 
-    // CPU is sampled when counting starts and once every worker is done.
+    // CPU is sampled when counting starts and once every call is done.
     let cpu_at_start = tokio::spawn({
         let watch = args.watch.clone();
         async move {
@@ -857,33 +845,62 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         }
     });
     let seed = fastrand::u64(..);
-    let workers: Vec<_> = (0..args.concurrency)
-        .map(|i| {
-            let calls = Generated {
-                run: run.clone(),
-                rng: fastrand::Rng::with_seed(seed.wrapping_add(i as u64)),
-                tally: Tally::new(),
+    let (total, unsent) = match args.rate {
+        Some(rate) => {
+            let warmup_calls = (args.warmup.as_secs_f64() * rate).ceil() as u64;
+            let open = OpenLoop {
+                timetable: Timetable::new(
+                    start,
+                    rate,
+                    (args.warmup + args.duration).as_secs_f64(),
+                    args.requests,
+                    warmup_calls,
+                ),
+                concurrency: args.concurrency,
+                timeout: args.timeout,
+                grace: args.timeout,
             };
-            tokio::spawn(worker(calls, clients.clone(), i, args.timeout))
-        })
-        .collect();
-    let mut total = Tally::new();
-    for worker in workers {
-        total.merge(worker.await.context("a load worker failed")?.tally);
-    }
+            let rng = fastrand::Rng::with_seed(seed);
+            // A task of its own, on the runtime's thread with the connections' tasks: run
+            // here it would be on the thread that called `block_on`, and every send and
+            // answer would cross between threads.
+            tokio::spawn(open.run(requests, rng, measure_from.into_std(), clients))
+                .await
+                .context("the open loop failed")?
+                .context("the open loop's timer failed")?
+        }
+        None => {
+            let run = Arc::new(Run {
+                requests,
+                measure_from,
+                until,
+                measured: AtomicU64::new(0),
+                cap: args.requests,
+            });
+            let workers: Vec<_> = (0..args.concurrency)
+                .map(|i| {
+                    let calls = Generated {
+                        run: run.clone(),
+                        rng: fastrand::Rng::with_seed(seed.wrapping_add(i as u64)),
+                        tally: Tally::new(),
+                    };
+                    tokio::spawn(worker(calls, clients.clone(), i, args.timeout))
+                })
+                .collect();
+            let mut total = Tally::new();
+            for worker in workers {
+                total.merge(worker.await.context("a load worker failed")?.tally);
+            }
+            (total, 0)
+        }
+    };
     // Counted calls were sent from `measure_from` on; the last of them answered by now.
     let seconds = match args.rate {
-        // Open loop: the offered load spans exactly the measured schedule.
+        // Open loop: the offered load spans exactly the measured timetable.
         Some(_) => args.duration.as_secs_f64(),
         None => (Instant::now().min(until + args.timeout) - measure_from).as_secs_f64(),
     };
     let cpu_at_end = cpu_snapshot(&args.watch);
-    if let Some(pacer) = pacer {
-        pacer
-            .await
-            .context("the pacer failed")?
-            .context("the pacer's timer failed")?;
-    }
     let cpu_at_start = cpu_at_start.await.context("the CPU sampler failed")?;
     let cpu = cpu_at_start
         .into_iter()
@@ -902,10 +919,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         over_limit: total.over_limit,
         other: total.other,
         errors: total.errors,
-        unsent: run
-            .schedule
-            .as_ref()
-            .map_or(0, |s| s.unsent.load(Ordering::Relaxed)),
+        unsent,
         cpu,
         latency: total.latency,
         service: total.service,
@@ -961,21 +975,18 @@ mod tests {
     #[test]
     fn an_open_loop_schedule_counts_its_calls() {
         let start = Instant::now();
-        let s = Schedule::new(start, 1000.0, 2.5, 0, 0).timetable;
+        let s = Timetable::new(start, 1000.0, 2.5, 0, 0);
         assert_eq!(s.total, 2500);
         assert_eq!(s.due(7) - s.start, Duration::from_millis(7));
         // --requests caps the measured calls, after the warm-up's.
-        assert_eq!(
-            Schedule::new(start, 1000.0, 2.5, 100, 500).timetable.total,
-            600
-        );
+        assert_eq!(Timetable::new(start, 1000.0, 2.5, 100, 500).total, 600);
     }
 
     #[test]
-    fn the_pacer_releases_what_is_due_and_then_has_time_to_sleep() {
+    fn the_timetable_releases_every_call_due_and_none_early() {
         // Rates whose interval is no whole number of nanoseconds, over a long run: the calls
-        // released at a moment are due by then, and the next is not (so the pacer sleeps
-        // rather than spins), however far into the run.
+        // released at a moment are due by then, and the next is not, however far into the
+        // run.
         let start = std::time::Instant::now();
         for rate in [42_605.0, 30_000.0, 7.0] {
             let timetable = Timetable {
@@ -1003,19 +1014,28 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_precise_timer_waits_its_wait_each_time_and_not_at_all_for_none() {
-        let timer = PreciseTimer::new().expect("a timerfd");
-        // In turn, so an expiry read by one wait cannot end the next one early.
-        for micros in [300, 0, 50, 2_000, 0, 120] {
-            let wait = Duration::from_micros(micros);
-            let start = std::time::Instant::now();
-            tokio::time::timeout(Duration::from_secs(5), timer.sleep(wait))
+    async fn the_ticker_ticks_at_its_period_and_ticks_missed_count_as_one() {
+        let period = Duration::from_millis(2);
+        let ticker = Ticker::every(period).expect("a timerfd");
+        let tick = || async {
+            tokio::time::timeout(Duration::from_secs(5), ticker.tick())
                 .await
-                .expect("the timer fires")
-                .expect("the timer works");
+                .expect("the timer ticks")
+                .expect("the timer works")
+        };
+        let start = std::time::Instant::now();
+        for n in 1..=5 {
+            tick().await;
             let waited = start.elapsed();
-            assert!(waited >= wait, "{wait:?}: woke after {waited:?}");
+            assert!(waited >= period * n, "tick {n} after {waited:?}");
         }
+        // Ticks missed while busy are one tick, read at once; the one after waits.
+        std::thread::sleep(period * 3);
+        let late = std::time::Instant::now();
+        tick().await;
+        assert!(late.elapsed() < period, "missed ticks read at once");
+        tick().await;
+        assert!(late.elapsed() > Duration::ZERO);
     }
 
     #[test]
