@@ -10,7 +10,8 @@
 #      call, pipelined like turnstile's multiplexed connections;
 #   c. p99 at 50% of the peak rate, open loop (latency from each call's due time), 3 runs,
 #      the generator at a raised priority where allowed (root: nice -10), so its own late
-#      wake-ups are not counted against the service;
+#      wake-ups are not counted against the service; then again with the service on one
+#      core and the generator on another (`taskset`), at half of the peak measured so;
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
@@ -128,6 +129,7 @@ REDIS_PID=$!
 rcli() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
 for _ in $(seq 100); do rcli PING >/dev/null 2>&1 && break; sleep 0.05; done
 rcli PING >/dev/null || { cat "$TMP/redis.log" >&2; exit 1; }
+redis_cpus="$(taskset -p -c "$REDIS_PID" 2>/dev/null | awk '{print $NF}')"
 log "redis-server $(redis-server --version | awk '{print $3}') on 127.0.0.1:$REDIS_PORT (pid $REDIS_PID)"
 
 # The batch script from the binary, exactly as turnstile runs it on Redis 7: its function
@@ -178,6 +180,13 @@ for rule in "${!CALL_ALGO[@]}"; do ALGO[$rule]="${CALL_ALGO[$rule]}"; done
 # cores it shares with the service charges its own delay to the service: it runs at a raised
 # priority where that is allowed (the niceness it got, 0 where refused, is in its results).
 OPEN_LOOP_NICE="$(nice -n -10 nice 2>/dev/null || echo 0)"
+
+# With two CPUs or more (and taskset), some loads run again with the service (turnstile and
+# its Redis) on the first CPU of $cpus and the generator on the second; Redis then goes back
+# to $redis_cpus.
+mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
+one_core=0
+[ "${#cpus[@]}" -ge 2 ] && command -v taskset >/dev/null && one_core=1
 
 TS_PID="" GRPC=""
 # await_healthy URL WHAT LOG: wait until the server just started ($TS_PID) answers URL with
@@ -231,6 +240,21 @@ load() {
     jq -r '"  \(.name): \(.rps|floor)/s  p50 \(.latency_ms.p50) ms  p99 \(.latency_ms.p99) ms  p99.9 \(.latency_ms.p99_9) ms  ok \(.ok) over \(.over_limit) err \(.errors)  cpu us/call \(.cpu_us_per_call)"' >&2
 }
 
+# half_peak_runs BACKEND NAME PEAK_RUN: three open-loop runs (fixed window, 100 000 keys) at
+# half the calls/s of the run named PEAK_RUN, named BACKEND/NAME/100000/1..3. At most 64 in
+# flight, many times what the rate needs; a call that waits for a place still counts its
+# wait, since latency runs from its due time.
+half_peak_runs() {
+  local backend="$1" name="$2" peak rate run
+  peak="$(jq -r --arg n "$3" 'select(.name == $n) | .rps' "$RESULTS")"
+  rate="$(python3 -c "print(round($peak / 2))")"
+  for run in 1 2 3; do
+    [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+    LOAD_NICE="$OPEN_LOOP_NICE" \
+      load "$backend/$name/$BIG/$run" "$backend" fw "$BIG" --rate "$rate"
+  done
+}
+
 profile() { # NAME: record turnstile while the next load runs
   [ "$PROFILE" = 1 ] || return 0
   perf record -F 499 --call-graph dwarf,16384 -p "$TS_PID" -o "$OUT/perf-$1.data" -- sleep 3 \
@@ -276,16 +300,21 @@ for backend in memory redis; do
 
   # c. p99 at 50% of the peak (fixed window, 100 000 keys), open loop, three runs: on shared
   #    cores one stall of a few ms sets a run's p99, which then moves far from run to run.
-  peak="$(jq -r --arg n "$backend/fixed_window/$BIG" 'select(.name == $n) | .rps' "$RESULTS")"
-  rate="$(python3 -c "print(round($peak / 2))")"
-  for run in 1 2 3; do
-    [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
-    # At most 64 in flight, many times what this rate needs; a call that waits for a free
-    # worker still counts its wait, since latency runs from its due time.
-    LOAD_NICE="$OPEN_LOOP_NICE" \
-      load "$backend/open_loop_50pct/$BIG/$run" "$backend" fw "$BIG" --rate "$rate"
-  done
+  half_peak_runs "$backend" open_loop_50pct "$backend/fixed_window/$BIG"
   stop "$TS_PID"
+
+  # c2. The same with the service on one core and the generator on the other, its own peak
+  #     first: sharing both cores, the generator (about half a core at these rates) and the
+  #     service wait for each other's time slices, and a call's latency counts both waits.
+  [ "$one_core" = 1 ] || continue
+  [ "$backend" = redis ] && taskset -a -p -c "${cpus[0]}" "$REDIS_PID" >/dev/null
+  ON_CPU="${cpus[0]}" start_turnstile "$backend"
+  [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
+  LOAD_CPU="${cpus[1]}" load "$backend/peak_one_core/$BIG" "$backend" fw "$BIG"
+  LOAD_CPU="${cpus[1]}" half_peak_runs "$backend" open_loop_50pct_one_core \
+    "$backend/peak_one_core/$BIG"
+  stop "$TS_PID"
+  [ "$backend" = redis ] && taskset -a -p -c "$redis_cpus" "$REDIS_PID" >/dev/null
 done
 
 # ---------------------------------------------------------------------------------------
@@ -431,12 +460,9 @@ loads=("ab_issue_load 1000 4")
 # win back, so ratios of calls/s between builds there understate what a build changed; here
 # each build has one core for itself and its Redis, as a deployment gives the service CPUs
 # of its own. Not the memory backend: with a core of its own turnstile outruns the generator.
-mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
 one_core_loads=()
-if [ "${#cpus[@]}" -ge 2 ] && command -v taskset >/dev/null; then
+if [ "$one_core" = 1 ]; then
   for each in "${loads[@]}"; do one_core_loads+=("${each/ab/ab_one_core}"); done
-  # Where Redis may run again afterwards.
-  redis_cpus="$(taskset -p -c "$REDIS_PID" | awk '{print $NF}')"
 fi
 # run_loads BACKEND SIDE ROUND LOAD...: the loads against the turnstile just started.
 run_loads() {

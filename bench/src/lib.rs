@@ -170,7 +170,7 @@ struct Tally {
     /// From each call's due time (its send time in a closed loop) to its answer.
     latency: Histogram<u64>,
     /// From each call's actual send to its answer: differs from `latency` only in an open
-    /// loop, where the gap is time the call waited for a free worker or for the pacer.
+    /// loop, where the gap is the wait for the next tick, or for a place among those in flight.
     service: Histogram<u64>,
     ok: u64,
     over_limit: u64,
