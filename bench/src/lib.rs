@@ -419,6 +419,15 @@ impl OpenLoop {
                         to_send = sent;
                     }
                     released = timetable.due_at(released, now).min(to_send);
+                    // At rates below a call a tick, the ticks start again at the next due
+                    // time: that call leaves on time, and no tick finds nothing due.
+                    let next = timetable.due(released);
+                    if let Some(ticker) = &ticker
+                        && released < to_send
+                        && next > now + 2 * TICK
+                    {
+                        ticker.first_in(next - now)?;
+                    }
                 }
             }
         }
@@ -429,40 +438,51 @@ impl OpenLoop {
 /// socket: a Linux timerfd registered with its reactor. The runtime's own timers tick in
 /// milliseconds, too coarse to space calls at tens of thousands a second. Periodic, the
 /// kernel rearms it, where a timer set for each wake-up costs a system call each time.
-struct Ticker(tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>);
+struct Ticker {
+    fd: tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>,
+    period: Duration,
+}
 
 impl Ticker {
     /// A timer that ticks every `period` from now on (`period` at least a nanosecond).
     fn every(period: Duration) -> std::io::Result<Ticker> {
-        use rustix::time::{
-            Itimerspec, TimerfdClockId, TimerfdFlags, TimerfdTimerFlags, Timespec, timerfd_create,
-            timerfd_settime,
-        };
+        use rustix::time::{TimerfdClockId, TimerfdFlags, timerfd_create};
         let fd = timerfd_create(
             TimerfdClockId::Monotonic,
             TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
         )?;
-        // A zero setting would disarm it.
-        let period = Timespec::try_from(period.max(Duration::from_nanos(1)))
-            .map_err(std::io::Error::other)?;
-        let every = Itimerspec {
-            it_interval: period,
-            it_value: period,
-        };
-        timerfd_settime(&fd, TimerfdTimerFlags::empty(), &every)?;
         // SAFETY: the descriptor is owned by the `OwnedFd` that the `AsyncFd` owns, and it
         // is never closed or replaced while registered.
         let fd = unsafe {
             tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
         }?;
-        Ok(Ticker(fd))
+        let period = period.max(Duration::from_nanos(1));
+        let ticker = Ticker { fd, period };
+        ticker.first_in(period)?;
+        Ok(ticker)
+    }
+
+    /// Tick next `wait` from now (at least a nanosecond), then every period again; ticks
+    /// passed and not read are dropped.
+    fn first_in(&self, wait: Duration) -> std::io::Result<()> {
+        use rustix::time::{Itimerspec, TimerfdTimerFlags, Timespec, timerfd_settime};
+        // A zero setting would disarm it.
+        let timespec = |d: Duration| {
+            Timespec::try_from(d.max(Duration::from_nanos(1))).map_err(std::io::Error::other)
+        };
+        let setting = Itimerspec {
+            it_interval: timespec(self.period)?,
+            it_value: timespec(wait)?,
+        };
+        timerfd_settime(self.fd.get_ref(), TimerfdTimerFlags::empty(), &setting)?;
+        Ok(())
     }
 
     /// The next tick, or at once if ticks passed unread since the last wait (they count as
     /// one). Cancel-safe: dropped unfinished, it leaves the ticks unread.
     async fn tick(&self) -> std::io::Result<()> {
         loop {
-            let mut ready = self.0.readable().await?;
+            let mut ready = self.fd.readable().await?;
             // Reading the expiry count rearms readiness; WouldBlock means it was stale.
             match ready.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut [0u8; 8])?)) {
                 Ok(expired) => return expired.map(drop),
@@ -1014,7 +1034,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_ticker_ticks_at_its_period_and_ticks_missed_count_as_one() {
+    async fn the_ticker_ticks_at_its_period_and_starts_again_when_told() {
         let period = Duration::from_millis(2);
         let ticker = Ticker::every(period).expect("a timerfd");
         let tick = || async {
@@ -1029,13 +1049,22 @@ mod tests {
             let waited = start.elapsed();
             assert!(waited >= period * n, "tick {n} after {waited:?}");
         }
-        // Ticks missed while busy are one tick, read at once; the one after waits.
+        // Ticks missed while busy are one tick, read at once.
         std::thread::sleep(period * 3);
         let late = std::time::Instant::now();
         tick().await;
         assert!(late.elapsed() < period, "missed ticks read at once");
+        // Started again, it drops the ticks not read and waits for the new first one.
+        std::thread::sleep(period * 3);
+        let restart = std::time::Instant::now();
+        let wait = Duration::from_millis(8);
+        ticker.first_in(wait).expect("the timer restarts");
         tick().await;
-        assert!(late.elapsed() > Duration::ZERO);
+        assert!(
+            restart.elapsed() >= wait,
+            "woke after {:?}",
+            restart.elapsed()
+        );
     }
 
     #[test]
