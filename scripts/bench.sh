@@ -8,10 +8,9 @@
 #   b. the Redis ceiling: redis-benchmark running the same FCALL of the real batch script's
 #      function (`turnstile redis-script --library`) against the same Redis, one request per
 #      call, pipelined like turnstile's multiplexed connections;
-#   c. p99 at 50% of the peak rate, open loop (latency from each call's due time), 3 runs,
-#      the generator at a raised priority where allowed (root: nice -10), so its own late
-#      wake-ups are not counted against the service; then again with the service on one
-#      core and the generator on another (`taskset`), at half of the peak measured so;
+#   c. p99 at 50% of the peak rate, open loop (latency from each call's due time), 3 runs;
+#      then again with the service on one core and the generator on another (`taskset`), at
+#      half of the peak measured so;
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
@@ -176,11 +175,6 @@ declare -A ALGO=([over]=fixed_window [fwh]=fixed_window [swh]=sliding_window
   [tbh]=token_bucket)
 for rule in "${!CALL_ALGO[@]}"; do ALGO[$rule]="${CALL_ALGO[$rule]}"; done
 
-# The open loop counts latency from each call's due time, so a generator that wakes late on
-# cores it shares with the service charges its own delay to the service: it runs at a raised
-# priority where that is allowed (the niceness it got, 0 where refused, is in its results).
-OPEN_LOOP_NICE="$(nice -n -10 nice 2>/dev/null || echo 0)"
-
 # With two CPUs or more (and taskset), some loads run again with the service (turnstile and
 # its Redis) on the first CPU of $cpus and the generator on the second; Redis then goes back
 # to $redis_cpus.
@@ -220,22 +214,21 @@ start_turnstile() {
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 # load NAME BACKEND RULE KEYS [extra bench args...]: one load run, appended to results; with
-# LOAD_CPU set, the generator runs on that CPU alone; with LOAD_NICE, at that niceness.
+# LOAD_CPU set, the generator runs on that CPU alone.
 load() {
-  local name="$1" backend="$2" rule="$3" keys="$4" pin=() nice=(nice -n "${LOAD_NICE:-0}")
+  local name="$1" backend="$2" rule="$3" keys="$4" pin=()
   shift 4
   local watch="${WATCH_AS:-turnstile}=$TS_PID"
   [ "$backend" = redis ] && watch="$watch,redis=$REDIS_PID"
   [ -n "${LOAD_CPU:-}" ] && pin=(taskset -c "$LOAD_CPU")
-  "${nice[@]}" "${pin[@]}" "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
+  "${pin[@]}" "$LOADGEN" --target "$GRPC" --concurrency "${LOAD_CONCURRENCY:-$CONCURRENCY}" \
     --connections "${LOAD_CONNECTIONS:-$CONNECTIONS}" \
     --key "$rule" --keys "$keys" --duration "${LOAD_DURATION:-$DURATION}" \
     --warmup "${LOAD_WARMUP:-$WARMUP}" --threads 1 \
     --watch-pid "$watch" --json "$@" >"$TMP/run.json"
   jq -c --arg name "$name" --arg backend "$backend" --arg rule "$rule" \
-    --arg algorithm "${ALGO[$rule]}" --argjson nice "${LOAD_NICE:-0}" \
-    '. + {name: $name, backend: $backend, rule: $rule, algorithm: $algorithm,
-      generator_nice: $nice}' \
+    --arg algorithm "${ALGO[$rule]}" \
+    '. + {name: $name, backend: $backend, rule: $rule, algorithm: $algorithm}' \
     "$TMP/run.json" | tee -a "$RESULTS" |
     jq -r '"  \(.name): \(.rps|floor)/s  p50 \(.latency_ms.p50) ms  p99 \(.latency_ms.p99) ms  p99.9 \(.latency_ms.p99_9) ms  ok \(.ok) over \(.over_limit) err \(.errors)  cpu us/call \(.cpu_us_per_call)"' >&2
 }
@@ -250,8 +243,7 @@ half_peak_runs() {
   rate="$(python3 -c "print(round($peak / 2))")"
   for run in 1 2 3; do
     [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
-    LOAD_NICE="$OPEN_LOOP_NICE" \
-      load "$backend/$name/$BIG/$run" "$backend" fw "$BIG" --rate "$rate"
+    load "$backend/$name/$BIG/$run" "$backend" fw "$BIG" --rate "$rate"
   done
 }
 

@@ -122,7 +122,7 @@ def main(argv):
         """The open-loop runs at half the peak on one backend, in the order they ran."""
         return runs_under(f"{backend}/{name}/{BIG}/")
 
-    table("p99 at 50% of peak (open loop, fixed window, 100 000 keys, three runs)", "| backend | cores | run | generator's niceness | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    table("p99 at 50% of peak (open loop, fixed window, 100 000 keys, three runs)", "| backend | cores | run | peak calls/s | offered calls/s | answered calls/s | p50 ms | p99 ms | p99.9 ms | service p99 ms | CPU µs/call turnstile · redis · generator | errors | unsent |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for backend in ("memory", "redis"):
         for name, peak_name, cores in PLACEMENTS:
             peak = by.get(f"{backend}/{peak_name}/{BIG}")
@@ -131,7 +131,7 @@ def main(argv):
                 lat = r["latency_ms"]
                 service = r.get("service_ms", {}).get("p99")
                 w(
-                    f"| {backend} | {cores} | {run} | {r.get('generator_nice', 0)} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
+                    f"| {backend} | {cores} | {run} | {fmt_int(peak['rps'])} | {fmt_int(r['rate'])} | {fmt_int(r['rps'])} | "
                     f"{lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99_9']:.3f} | "
                     f"{'' if service is None else f'{service:.3f}'} | {cpu_cell(r)} | {r['errors']} | {r['unsent']} |"
                 )
