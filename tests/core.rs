@@ -2089,11 +2089,12 @@ async fn environment_probe() {
 }
 
 /// The load generator the benchmarks read (`turnstile-bench`) against the real binary: an
-/// open loop sends each call of its timetable once, none late enough to go unsent, and counts
-/// every answer by its code (a limit of 400 an hour, 500 calls on one key), and every error
-/// by its gRPC code (an empty domain, refused as invalid in a trailers-only answer).
+/// open loop sends each call of its timetable once, none late enough to go unsent, and a
+/// closed loop capped by `--requests` sends exactly that many; each counts every answer by
+/// its code (a limit of 400 an hour, 500 or 450 calls on one key), and every error by its
+/// gRPC code (an empty domain, refused as invalid in a trailers-only answer).
 #[tokio::test]
-async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_answers() {
+async fn the_load_generators_loops_send_each_call_once_and_count_the_answers() {
     use clap::Parser;
     let rules = Rules::new(
         "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 400}\n",
@@ -2102,29 +2103,57 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
     let target = t.grpc.to_string();
     struct Case {
         domain: &'static str,
+        /// The loop: its own key value (so its own counter), and how it runs.
+        load: &'static [&'static str],
         /// Calls, OK, OVER_LIMIT, errors, unsent.
         counts: (u64, u64, u64, u64, u64),
         errors: &'static [(&'static str, u64)],
     }
+    const OPEN: &[&str] = &[
+        "--value-prefix",
+        "open",
+        "--rate",
+        "1000",
+        "--duration",
+        "500ms",
+    ];
     let cases = [
         Case {
             domain: "gen",
+            load: OPEN,
             counts: (500, 400, 100, 0, 0),
             errors: &[],
         },
         Case {
             domain: "",
+            load: OPEN,
             counts: (500, 0, 0, 500, 0),
             errors: &[("InvalidArgument", 500)],
+        },
+        Case {
+            domain: "gen",
+            load: &[
+                "--value-prefix",
+                "closed",
+                "--requests",
+                "450",
+                "--concurrency",
+                "8",
+                "--duration",
+                "30s",
+            ],
+            counts: (450, 400, 50, 0, 0),
+            errors: &[],
         },
     ];
     for Case {
         domain,
+        load,
         counts,
         errors,
     } in cases
     {
-        let args = turnstile_bench::Cli::parse_from([
+        let common = [
             "turnstile-bench",
             "--target",
             &target,
@@ -2134,16 +2163,12 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
             "k",
             "--keys",
             "1",
-            "--rate",
-            "1000",
-            "--duration",
-            "500ms",
             "--warmup",
             "0s",
             "--threads",
             "1",
-        ])
-        .args;
+        ];
+        let args = turnstile_bench::Cli::parse_from(common.iter().chain(load)).args;
         let report = turnstile_bench::run(args).await.expect("the load runs");
         assert_eq!(
             (
@@ -2154,7 +2179,7 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
                 report.unsent
             ),
             counts,
-            "domain {domain:?}: {}",
+            "domain {domain:?}, {load:?}: {}",
             report.text()
         );
         let errors: std::collections::BTreeMap<String, u64> =
@@ -2162,7 +2187,7 @@ async fn the_load_generators_open_loop_sends_each_due_call_once_and_counts_the_a
         assert_eq!(
             report.errors,
             errors,
-            "domain {domain:?}: {}",
+            "domain {domain:?}, {load:?}: {}",
             report.text()
         );
         // Answers are timed; errors are only counted.
