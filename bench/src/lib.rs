@@ -322,6 +322,28 @@ impl Timetable {
     }
 }
 
+/// What a loop sends, and on what: its requests, in turn over the connections, each call
+/// bounded by `timeout`.
+struct Sending {
+    requests: Requests,
+    rng: fastrand::Rng,
+    clients: Vec<grpc::Connection>,
+    timeout: Duration,
+    /// Calls made so far.
+    made: u64,
+}
+
+impl Sending {
+    /// The next call, due at `due`: it is sent when first polled.
+    fn call(&mut self, due: std::time::Instant) -> impl Future<Output = Call> + use<> {
+        let mut client = self.clients[self.made as usize % self.clients.len()].clone();
+        self.made += 1;
+        let request = self.requests.build(&mut self.rng);
+        let timeout = self.timeout;
+        async move { timed_call(&mut client, due, request, timeout).await }
+    }
+}
+
 /// A closed loop: one task keeps `concurrency` calls in flight, sending a call each time one
 /// answers, until `until` (or, with a `cap`, until that many calls were sent after
 /// `measure_from`). All of it in one task, so the calls that answers arriving together free
@@ -331,29 +353,21 @@ impl Timetable {
 /// times per call.
 struct ClosedLoop {
     concurrency: usize,
-    timeout: Duration,
     until: std::time::Instant,
     cap: u64,
 }
 
 impl ClosedLoop {
-    async fn run(
-        self,
-        requests: Requests,
-        mut rng: fastrand::Rng,
-        measure_from: std::time::Instant,
-        clients: Vec<grpc::Connection>,
-    ) -> Tally {
+    async fn run(self, mut sending: Sending, measure_from: std::time::Instant) -> Tally {
         let ClosedLoop {
             concurrency,
-            timeout,
             until,
             cap,
         } = self;
         let mut tally = Tally::new();
         let mut in_flight = futures_util::stream::FuturesUnordered::new();
-        // Calls sent, and those of them sent once measuring had begun (for the cap).
-        let (mut sent, mut measured) = (0usize, 0u64);
+        // Calls sent once measuring had begun (for the cap).
+        let mut measured = 0u64;
         loop {
             while in_flight.len() < concurrency {
                 let now = std::time::Instant::now();
@@ -361,10 +375,7 @@ impl ClosedLoop {
                     break;
                 }
                 measured += u64::from(now >= measure_from);
-                let mut client = clients[sent % clients.len()].clone();
-                let request = requests.build(&mut rng);
-                in_flight.push(async move { timed_call(&mut client, now, request, timeout).await });
-                sent += 1;
+                in_flight.push(sending.call(now));
             }
             match futures_util::StreamExt::next(&mut in_flight).await {
                 Some(call) => tally.record(&call, measure_from),
@@ -391,7 +402,6 @@ const TICK: Duration = Duration::from_micros(100);
 struct OpenLoop {
     timetable: Timetable,
     concurrency: usize,
-    timeout: Duration,
     grace: Duration,
 }
 
@@ -399,32 +409,26 @@ impl OpenLoop {
     /// The calls' tally and how many went unsent.
     async fn run(
         self,
-        requests: Requests,
-        mut rng: fastrand::Rng,
+        mut sending: Sending,
         measure_from: std::time::Instant,
-        clients: Vec<grpc::Connection>,
     ) -> std::io::Result<(Tally, u64)> {
         let OpenLoop {
             timetable,
             concurrency,
-            timeout,
             grace,
         } = self;
         let mut ticker = Some(Ticker::every(TICK)?);
         let mut tally = Tally::new();
         let mut in_flight = futures_util::stream::FuturesUnordered::new();
         let last_send = timetable.due(timetable.total) + grace;
-        // Calls due at the last tick, calls sent, and calls that will be (all of them,
-        // unless some miss the grace).
-        let (mut released, mut sent, mut to_send) = (0u64, 0u64, timetable.total);
+        // Calls due at the last tick, and calls that will be sent (all of them, unless
+        // some miss the grace); `sending.made` counts those sent.
+        let (mut released, mut to_send) = (0u64, timetable.total);
         loop {
-            while sent < released && in_flight.len() < concurrency {
-                let mut client = clients[sent as usize % clients.len()].clone();
-                let request = requests.build(&mut rng);
-                let due = timetable.due(sent);
-                in_flight.push(async move { timed_call(&mut client, due, request, timeout).await });
-                sent += 1;
+            while sending.made < released && in_flight.len() < concurrency {
+                in_flight.push(sending.call(timetable.due(sending.made)));
             }
+            let sent = sending.made;
             if sent == to_send {
                 // Nothing left to pace: the timer stops.
                 ticker = None;
@@ -858,7 +862,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
             cpu_snapshot(&watch)
         }
     });
-    let seed = fastrand::u64(..);
+    let sending = Sending {
+        requests,
+        rng: fastrand::Rng::with_seed(fastrand::u64(..)),
+        clients,
+        timeout: args.timeout,
+        made: 0,
+    };
+    // Each loop is a task of its own, on the runtime's thread with the connections' tasks:
+    // run here it would be on the thread that called `block_on`, and every send and answer
+    // would cross between threads.
+    let measure = measure_from.into_std();
     let (total, unsent) = match args.rate {
         Some(rate) => {
             let warmup_calls = (args.warmup.as_secs_f64() * rate).ceil() as u64;
@@ -871,14 +885,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
                     warmup_calls,
                 ),
                 concurrency: args.concurrency,
-                timeout: args.timeout,
                 grace: args.timeout,
             };
-            let rng = fastrand::Rng::with_seed(seed);
-            // A task of its own, on the runtime's thread with the connections' tasks: run
-            // here it would be on the thread that called `block_on`, and every send and
-            // answer would cross between threads.
-            tokio::spawn(open.run(requests, rng, measure_from.into_std(), clients))
+            tokio::spawn(open.run(sending, measure))
                 .await
                 .context("the open loop failed")?
                 .context("the open loop's timer failed")?
@@ -886,13 +895,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         None => {
             let closed = ClosedLoop {
                 concurrency: args.concurrency,
-                timeout: args.timeout,
                 until: until.into_std(),
                 cap: args.requests,
             };
-            let rng = fastrand::Rng::with_seed(seed);
-            // A task of its own, for the reason the open loop's is.
-            let tally = tokio::spawn(closed.run(requests, rng, measure_from.into_std(), clients))
+            let tally = tokio::spawn(closed.run(sending, measure))
                 .await
                 .context("the closed loop failed")?;
             (tally, 0)
