@@ -211,6 +211,18 @@ start_turnstile() {
   await_healthy "http://$http/healthcheck" "turnstile ($backend)" "$OUT/turnstile.log"
 }
 
+# start_one_core BACKEND [serve options...]: start_turnstile on the first CPU of $cpus, with
+# Redis moved there too on the Redis backend; stop_one_core stops it and gives Redis back
+# $redis_cpus. The generator goes on the second CPU (LOAD_CPU).
+start_one_core() {
+  [ "$1" = redis ] && taskset -a -p -c "${cpus[0]}" "$REDIS_PID" >/dev/null
+  ON_CPU="${cpus[0]}" start_turnstile "$@"
+}
+stop_one_core() {
+  stop "$TS_PID"
+  taskset -a -p -c "$redis_cpus" "$REDIS_PID" >/dev/null
+}
+
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 # load NAME BACKEND RULE KEYS [extra bench args...]: one load run, appended to results; with
@@ -299,14 +311,12 @@ for backend in memory redis; do
   #     first: sharing both cores, the generator (about half a core at these rates) and the
   #     service wait for each other's time slices, and a call's latency counts both waits.
   [ "$one_core" = 1 ] || continue
-  [ "$backend" = redis ] && taskset -a -p -c "${cpus[0]}" "$REDIS_PID" >/dev/null
-  ON_CPU="${cpus[0]}" start_turnstile "$backend"
+  start_one_core "$backend"
   [ "$backend" = redis ] && rcli FLUSHALL >/dev/null
   LOAD_CPU="${cpus[1]}" load "$backend/peak_one_core/$BIG" "$backend" fw "$BIG"
   LOAD_CPU="${cpus[1]}" half_peak_runs "$backend" open_loop_50pct_one_core \
     "$backend/peak_one_core/$BIG"
-  stop "$TS_PID"
-  [ "$backend" = redis ] && taskset -a -p -c "$redis_cpus" "$REDIS_PID" >/dev/null
+  stop_one_core
 done
 
 # ---------------------------------------------------------------------------------------
@@ -475,11 +485,9 @@ for backend in memory redis; do
       run_loads "$backend" "$side" "$round" "${loads[@]}"
       stop "$TS_PID"
       [ "$backend" = redis ] && [ "${#one_core_loads[@]}" -gt 0 ] || continue
-      taskset -a -p -c "${cpus[0]}" "$REDIS_PID" >/dev/null
-      ON_CPU="${cpus[0]}" TS_BIN="${BUILD[$side]}" start_turnstile redis
+      TS_BIN="${BUILD[$side]}" start_one_core redis
       LOAD_CPU="${cpus[1]}" run_loads redis "$side" "$round" "${one_core_loads[@]}"
-      stop "$TS_PID"
-      taskset -a -p -c "$redis_cpus" "$REDIS_PID" >/dev/null
+      stop_one_core
     done
   done
 done
