@@ -48,7 +48,9 @@ use crate::xds;
 /// Keys with quota leases held at once by one instance.
 const MAX_LEASE_POOLS: usize = 100_000;
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
-const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(1);
+/// Often, so that each fold of latency samples is short: a second's samples at 60 000 calls/s
+/// kept the thread folding them 0.8 ms, which a thread serving calls on its CPU waited out.
+const METRICS_UPKEEP_PERIOD: Duration = Duration::from_millis(50);
 const BACKEND_PROBE_PERIOD: Duration = Duration::from_secs(1);
 const MEMORY_SWEEP_PERIOD: Duration = Duration::from_secs(1);
 
