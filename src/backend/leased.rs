@@ -24,9 +24,19 @@ struct Pool {
     limit: Limit,
 }
 
+/// The pools, and when a full set of them can next make room.
+#[derive(Default)]
+struct Pools {
+    by_key: HashMap<String, Pool>,
+    /// Once a scan found every pool live: the earliest lapse among them. Until then no pool
+    /// can go but one spent to nothing (which clears this), so a new key is turned away
+    /// without scanning them all again under the lock, as it was on every call.
+    full_until: Option<Instant>,
+}
+
 pub struct Leased<B> {
     inner: B,
-    pools: Mutex<HashMap<String, Pool>>,
+    pools: Mutex<Pools>,
     /// Bounds the pools kept (one per leased key in use).
     max_pools: usize,
 }
@@ -40,23 +50,27 @@ impl<B: Backend> Leased<B> {
         }
     }
 
-    fn pools(&self) -> std::sync::MutexGuard<'_, HashMap<String, Pool>> {
+    fn pools(&self) -> std::sync::MutexGuard<'_, Pools> {
         self.pools.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Spend `hit` from this instance's pool, if it holds enough.
     fn spend(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
         let mut pools = self.pools();
-        let pool = pools.get_mut(&hit.key)?;
+        let pool = pools.by_key.get_mut(&hit.key)?;
         if pool.limit != hit.limit || now >= pool.lapses || pool.units < hit.hits {
             return None;
         }
         pool.units -= hit.hits;
-        Some(Outcome {
+        let outcome = Outcome {
             admitted: true,
             remaining: u32::try_from(pool.units).unwrap_or(u32::MAX),
             reset_after: pool.lapses - now,
-        })
+        };
+        if pool.units == 0 {
+            pools.full_until = None;
+        }
+        Some(outcome)
     }
 
     fn keep(&self, hit: &Hit, units: u64, granted: &Outcome, now: Instant) {
@@ -65,18 +79,35 @@ impl<B: Backend> Leased<B> {
             Some(lapse) => Duration::from_micros(lapse).min(granted.reset_after),
             None => granted.reset_after,
         };
+        let lapses = now + lapse;
         let mut pools = self.pools();
-        if pools.len() >= self.max_pools && !pools.contains_key(&hit.key) {
-            pools.retain(|_, p| p.lapses > now && p.units > 0);
-            if pools.len() >= self.max_pools {
+        let Pools { by_key, full_until } = &mut *pools;
+        if by_key.len() >= self.max_pools && !by_key.contains_key(&hit.key) {
+            if full_until.is_some_and(|until| now < until) {
+                return;
+            }
+            let mut earliest = None::<Instant>;
+            by_key.retain(|_, p| {
+                let live = p.lapses > now && p.units > 0;
+                if live {
+                    earliest = Some(earliest.map_or(p.lapses, |e| e.min(p.lapses)));
+                }
+                live
+            });
+            if by_key.len() >= self.max_pools {
+                *full_until = earliest;
                 return;
             }
         }
-        pools.insert(
+        // A pool kept again may lapse before the others, or hold nothing already.
+        *full_until = full_until
+            .filter(|_| units > 0)
+            .map(|until| until.min(lapses));
+        by_key.insert(
             hit.key.clone(),
             Pool {
                 units,
-                lapses: now + lapse,
+                lapses,
                 limit,
             },
         );
@@ -129,5 +160,73 @@ impl<B: Backend> Backend for Leased<B> {
 
     async fn ready(&self) -> bool {
         self.inner.ready().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::memory::{DEFAULT_MAX_BYTES, MemoryBackend};
+    use crate::limit::Unit;
+
+    #[tokio::test]
+    async fn a_full_set_of_pools_makes_room_once_a_pool_is_spent_or_lapses() {
+        // Two pools at most; leases of 10 from a limit of 100 per second.
+        let leased = Leased::new(MemoryBackend::new(100, DEFAULT_MAX_BYTES), 2);
+        let limit = Limit {
+            quota_lease: 10,
+            ..Limit::fixed(100, Unit::Second)
+        };
+        let remaining = |key: &'static str| {
+            let hit = Hit {
+                key: key.into(),
+                limit,
+                hits: 1,
+                role: Role::Enforce,
+                lease: None,
+            };
+            let leased = &leased;
+            async move {
+                let outcomes = leased.evaluate(&[hit], Charging::Atomic).await.unwrap();
+                assert!(outcomes[0].admitted, "{key}");
+                outcomes[0].remaining
+            }
+        };
+        // Start just after a window's start (windows are whole seconds), far from its end.
+        let into = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        tokio::time::sleep(Duration::from_nanos(u64::from(1_050_000_000 - into))).await;
+        // Each answer: from the backend (the limit's remaining after a lease of 10), or from
+        // this instance's pool (the pool's units left).
+        let rows: [(&str, u32); 16] = [
+            ("a", 90),
+            ("b", 90),
+            // Both pools live: c's lease is taken but not kept, twice.
+            ("c", 90),
+            ("c", 80),
+            ("a", 8),
+            ("a", 7),
+            ("a", 6),
+            ("a", 5),
+            ("a", 4),
+            ("a", 3),
+            ("a", 2),
+            ("a", 1),
+            // a's pool is spent: c's next lease takes its place.
+            ("a", 0),
+            ("c", 70),
+            ("c", 8),
+            ("b", 8),
+        ];
+        for (n, (key, expected)) in rows.into_iter().enumerate() {
+            assert_eq!(remaining(key).await, expected, "row {n}: {key}");
+        }
+        // Full again (b and c live, d turned away); once they lapse, d's lease is kept.
+        assert_eq!(remaining("d").await, 90);
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        assert_eq!(remaining("d").await, 90, "a new window");
+        assert_eq!(remaining("d").await, 8, "from d's pool");
     }
 }
