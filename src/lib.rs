@@ -9,6 +9,7 @@ pub mod active;
 pub mod admin;
 pub mod algorithm;
 pub mod backend;
+pub mod bounded;
 pub mod cli;
 pub mod config;
 pub mod deadline;

@@ -14,6 +14,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
+use crate::bounded::Room;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::limit::Limit;
 
@@ -24,14 +25,15 @@ struct Pool {
     limit: Limit,
 }
 
-/// The pools, and when a full set of them can next make room.
+/// When a pool lapses, or `None` once it is spent: it may go then.
+fn expiry(pool: &Pool) -> Option<Instant> {
+    (pool.units > 0).then_some(pool.lapses)
+}
+
 #[derive(Default)]
 struct Pools {
     by_key: HashMap<String, Pool>,
-    /// Once a scan found every pool live: the earliest lapse among them. Until then no pool
-    /// can go but one spent to nothing (which clears this), so a new key is turned away
-    /// without scanning them all again under the lock, as it was on every call.
-    full_until: Option<Instant>,
+    room: Room,
 }
 
 pub struct Leased<B> {
@@ -68,7 +70,7 @@ impl<B: Backend> Leased<B> {
             reset_after: pool.lapses - now,
         };
         if pool.units == 0 {
-            pools.full_until = None;
+            pools.room.clear();
         }
         Some(outcome)
     }
@@ -79,38 +81,18 @@ impl<B: Backend> Leased<B> {
             Some(lapse) => Duration::from_micros(lapse).min(granted.reset_after),
             None => granted.reset_after,
         };
-        let lapses = now + lapse;
         let mut pools = self.pools();
-        let Pools { by_key, full_until } = &mut *pools;
-        if by_key.len() >= self.max_pools && !by_key.contains_key(&hit.key) {
-            if full_until.is_some_and(|until| now < until) {
-                return;
-            }
-            let mut earliest = None::<Instant>;
-            by_key.retain(|_, p| {
-                let live = p.lapses > now && p.units > 0;
-                if live {
-                    earliest = Some(earliest.map_or(p.lapses, |e| e.min(p.lapses)));
-                }
-                live
-            });
-            if by_key.len() >= self.max_pools {
-                *full_until = earliest;
-                return;
-            }
+        let Pools { by_key, room } = &mut *pools;
+        if !by_key.contains_key(&hit.key) && !room.make(by_key, self.max_pools, now, expiry) {
+            return;
         }
-        // A pool kept again may lapse before the others, or hold nothing already.
-        *full_until = full_until
-            .filter(|_| units > 0)
-            .map(|until| until.min(lapses));
-        by_key.insert(
-            hit.key.clone(),
-            Pool {
-                units,
-                lapses,
-                limit,
-            },
-        );
+        let pool = Pool {
+            units,
+            lapses: now + lapse,
+            limit,
+        };
+        room.kept(expiry(&pool));
+        by_key.insert(hit.key.clone(), pool);
     }
 }
 

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
+use crate::bounded::Room;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::limit::Limit;
 use crate::metrics::Metrics;
@@ -33,9 +34,15 @@ struct Refusal {
     hits: u64,
 }
 
+#[derive(Default)]
+struct Shard {
+    by_key: HashMap<String, Refusal>,
+    room: Room,
+}
+
 pub struct OverLimitCache<B> {
     inner: B,
-    shards: Vec<Mutex<HashMap<String, Refusal>>>,
+    shards: Vec<Mutex<Shard>>,
     hasher: RandomState,
     max_per_shard: usize,
     metrics: Arc<Metrics>,
@@ -69,7 +76,7 @@ impl<B: Backend> OverLimitCache<B> {
         }
     }
 
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Refusal>> {
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
         self.shards[self.hasher.hash_one(key) as usize % SHARDS]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -80,7 +87,7 @@ impl<B: Backend> OverLimitCache<B> {
         if self.max_per_shard == 0 || !cacheable(hit) {
             return None;
         }
-        let refusal = *self.shard(&hit.key).get(&hit.key)?;
+        let refusal = *self.shard(&hit.key).by_key.get(&hit.key)?;
         (now < refusal.until && refusal.limit == hit.limit && hit.hits >= refusal.hits).then(|| {
             Outcome {
                 admitted: false,
@@ -98,17 +105,19 @@ impl<B: Backend> OverLimitCache<B> {
         {
             return;
         }
+        let until = now + outcome.reset_after;
         let mut shard = self.shard(&hit.key);
-        if shard.len() >= self.max_per_shard && !shard.contains_key(&hit.key) {
-            shard.retain(|_, r| r.until > now);
-            if shard.len() >= self.max_per_shard {
-                return;
-            }
+        let Shard { by_key, room } = &mut *shard;
+        if !by_key.contains_key(&hit.key)
+            && !room.make(by_key, self.max_per_shard, now, |r| Some(r.until))
+        {
+            return;
         }
-        shard.insert(
+        room.kept(Some(until));
+        by_key.insert(
             hit.key.clone(),
             Refusal {
-                until: now + outcome.reset_after,
+                until,
                 limit: hit.limit,
                 hits: hit.hits,
             },

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::share::{self, HYSTERESIS, IDLE_WEIGHT, Others};
 use crate::backend::redis::{Lua, RedisBackend};
+use crate::bounded::Room;
 use crate::decision::BackendError;
 
 static SHARE_SCRIPT: LazyLock<Lua> =
@@ -95,8 +96,19 @@ struct Entry {
 /// Shares in this process, bounded: at most `max_buckets` buckets, each expiring with its
 /// last holder's entry.
 pub struct MemoryShares {
-    buckets: Mutex<HashMap<String, HashMap<u64, Entry>>>,
+    buckets: Mutex<Buckets>,
     max_buckets: usize,
+}
+
+#[derive(Default)]
+struct Buckets {
+    by_key: HashMap<String, HashMap<u64, Entry>>,
+    room: Room,
+}
+
+/// When a bucket's last entry expires (`None`: it has none).
+fn expiry(entries: &HashMap<u64, Entry>) -> Option<Instant> {
+    entries.values().map(|e| e.expires).max()
 }
 
 impl MemoryShares {
@@ -114,16 +126,19 @@ impl MemoryShares {
 
     fn share(&self, d: Demand<'_>, ttl: Duration, now: Instant) -> Result<u64, BackendError> {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        if !buckets.contains_key(d.key) && buckets.len() >= self.max_buckets {
-            buckets.retain(|_, entries| entries.values().any(|e| e.expires > now));
-            if buckets.len() >= self.max_buckets {
+        let Buckets { by_key, room } = &mut *buckets;
+        if !by_key.contains_key(d.key) {
+            if !room.make(by_key, self.max_buckets, now, expiry) {
                 return Err(BackendError::Full(format!(
                     "{} RLQS buckets tracked",
-                    buckets.len()
+                    by_key.len()
                 )));
             }
+            // A bucket's expiry only moves later as its holders report, but a new one's
+            // may come first.
+            room.kept(Some(now + ttl));
         }
-        let entries = buckets.entry(d.key.to_owned()).or_default();
+        let entries = by_key.entry(d.key.to_owned()).or_default();
         entries.retain(|_, e| e.expires > now);
         let idle = d.limit as f64 * IDLE_WEIGHT;
         let others = entries
@@ -148,10 +163,13 @@ impl MemoryShares {
 
     pub fn leave(&self, key: &str, holder: u64) {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(entries) = buckets.get_mut(key) {
+        let Buckets { by_key, room } = &mut *buckets;
+        if let Some(entries) = by_key.get_mut(key) {
             entries.remove(&holder);
+            // The bucket's expiry may now come sooner.
+            room.clear();
             if entries.is_empty() {
-                buckets.remove(key);
+                by_key.remove(key);
             }
         }
     }
