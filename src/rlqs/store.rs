@@ -127,17 +127,14 @@ impl MemoryShares {
     fn share(&self, d: Demand<'_>, ttl: Duration, now: Instant) -> Result<u64, BackendError> {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
         let Buckets { by_key, room } = &mut *buckets;
-        if !by_key.contains_key(d.key) {
-            if !room.make(by_key, self.max_buckets, now, expiry) {
-                return Err(BackendError::Full(format!(
-                    "{} RLQS buckets tracked",
-                    by_key.len()
-                )));
-            }
-            // A bucket's expiry only moves later as its holders report, but a new one's
-            // may come first.
-            room.kept(Some(now + ttl));
+        if !by_key.contains_key(d.key) && !room.make(by_key, self.max_buckets, now, expiry) {
+            return Err(BackendError::Full(format!(
+                "{} RLQS buckets tracked",
+                by_key.len()
+            )));
         }
+        // The bucket lasts at least as long as this holder's entry, which may come first.
+        room.kept(Some(now + ttl));
         let entries = by_key.entry(d.key.to_owned()).or_default();
         entries.retain(|_, e| e.expires > now);
         let idle = d.limit as f64 * IDLE_WEIGHT;
