@@ -47,6 +47,22 @@ impl Room {
         map.len() < max
     }
 
+    /// Insert `value` at `key` in `map` (at most `max` entries), unless the key is new and
+    /// there is no room for it (see [`Room::make`]).
+    pub fn insert<K: Eq + Hash, V>(
+        &mut self,
+        map: &mut HashMap<K, V>,
+        max: usize,
+        (key, value): (K, V),
+        now: Instant,
+        expiry: impl Fn(&V) -> Option<Instant>,
+    ) {
+        if map.contains_key(&key) || self.make(map, max, now, &expiry) {
+            self.kept(expiry(&value));
+            map.insert(key, value);
+        }
+    }
+
     /// An entry was kept or renewed to expire at `expires` (`None`: droppable now), which
     /// may be before the others.
     pub fn kept(&mut self, expires: Option<Instant>) {
@@ -91,8 +107,19 @@ mod tests {
         assert!(!room.make(&mut map, 2, at(19), expiry));
         assert!(room.make(&mut map, 2, at(20), expiry));
         assert_eq!(map.keys().collect::<Vec<_>>(), [&"x"]);
+        // Inserting: a new key into a full map is turned away, a key already in it renewed
+        // (and, renewed to expire first, it brings the next pass forward).
+        room.insert(&mut map, 1, ("z", 200), at(30), expiry);
+        assert_eq!(map, HashMap::from([("x", 50)]));
+        room.insert(&mut map, 1, ("x", 150), at(30), expiry);
+        room.insert(&mut map, 1, ("x", 40), at(30), expiry);
+        assert_eq!(map, HashMap::from([("x", 40)]));
+        room.insert(&mut map, 1, ("z", 200), at(39), expiry);
+        assert_eq!(map, HashMap::from([("x", 40)]), "no pass before 40");
+        room.insert(&mut map, 1, ("z", 200), at(40), expiry);
+        assert_eq!(map, HashMap::from([("z", 200)]));
         // With room to spare, nothing is dropped, expired or not.
-        assert!(room.make(&mut map, 2, at(100), expiry));
+        assert!(room.make(&mut map, 2, at(300), expiry));
         assert_eq!(map.len(), 1);
     }
 }

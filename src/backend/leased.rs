@@ -81,18 +81,14 @@ impl<B: Backend> Leased<B> {
             Some(lapse) => Duration::from_micros(lapse).min(granted.reset_after),
             None => granted.reset_after,
         };
-        let mut pools = self.pools();
-        let Pools { by_key, room } = &mut *pools;
-        if !by_key.contains_key(&hit.key) && !room.make(by_key, self.max_pools, now, expiry) {
-            return;
-        }
         let pool = Pool {
             units,
             lapses: now + lapse,
             limit,
         };
-        room.kept(expiry(&pool));
-        by_key.insert(hit.key.clone(), pool);
+        let mut pools = self.pools();
+        let Pools { by_key, room } = &mut *pools;
+        room.insert(by_key, self.max_pools, (hit.key.clone(), pool), now, expiry);
     }
 }
 

@@ -105,23 +105,15 @@ impl<B: Backend> OverLimitCache<B> {
         {
             return;
         }
-        let until = now + outcome.reset_after;
+        let refusal = Refusal {
+            until: now + outcome.reset_after,
+            limit: hit.limit,
+            hits: hit.hits,
+        };
         let mut shard = self.shard(&hit.key);
         let Shard { by_key, room } = &mut *shard;
-        if !by_key.contains_key(&hit.key)
-            && !room.make(by_key, self.max_per_shard, now, |r| Some(r.until))
-        {
-            return;
-        }
-        room.kept(Some(until));
-        by_key.insert(
-            hit.key.clone(),
-            Refusal {
-                until,
-                limit: hit.limit,
-                hits: hit.hits,
-            },
-        );
+        let entry = (hit.key.clone(), refusal);
+        room.insert(by_key, self.max_per_shard, entry, now, |r| Some(r.until));
     }
 }
 
