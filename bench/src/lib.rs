@@ -24,6 +24,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use futures_util::FutureExt as _;
 use hdrhistogram::Histogram;
 use tokio::time::Instant;
 use tonic::codegen::{Body, Bytes, StdError};
@@ -172,6 +173,13 @@ struct Tally {
     /// From each call's actual send to its answer: differs from `latency` only in an open
     /// loop, where the gap is the wait for the next tick, or for a place among those in flight.
     service: Histogram<u64>,
+    /// Open loop: from due to sent, of the calls that found a place free when due. What the
+    /// generator's own pace adds (its tick, and the CPU it waited for), apart from the
+    /// service's.
+    send_lag: Histogram<u64>,
+    /// Open loop: calls that found every place taken when due, so were sent late because
+    /// earlier calls had not been answered (a stall of the service, or of the path to it).
+    waited_for_place: u64,
     ok: u64,
     over_limit: u64,
     other: u64,
@@ -183,6 +191,8 @@ impl Tally {
         Tally {
             latency: histogram(),
             service: histogram(),
+            send_lag: histogram(),
+            waited_for_place: 0,
             ok: 0,
             over_limit: 0,
             other: 0,
@@ -216,6 +226,25 @@ impl Tally {
                 *self.errors.entry(kind).or_default() += 1;
             }
         }
+    }
+
+    /// An open loop's call, and whether it waited for a place (else how late it left is
+    /// the generator's own doing).
+    fn record_open(
+        &mut self,
+        call: &Call,
+        waited_for_place: bool,
+        measure_from: std::time::Instant,
+    ) {
+        if call.due < measure_from {
+            return;
+        }
+        if waited_for_place {
+            self.waited_for_place += 1;
+        } else {
+            self.send_lag.saturating_record(nanos(call.sent - call.due));
+        }
+        self.record(call, measure_from);
     }
 
     fn calls(&self) -> u64 {
@@ -424,9 +453,28 @@ impl OpenLoop {
         // Calls due at the last tick, and calls that will be sent (all of them, unless
         // some miss the grace); `sending.made` counts those sent.
         let (mut released, mut to_send) = (0u64, timetable.total);
+        // Calls before this one were due while every place was taken.
+        let mut waits_before = 0u64;
         loop {
-            while sending.made < released && in_flight.len() < concurrency {
-                in_flight.push(sending.call(timetable.due(sending.made)));
+            loop {
+                while sending.made < released && in_flight.len() < concurrency {
+                    let waited = sending.made < waits_before;
+                    let call = sending.call(timetable.due(sending.made));
+                    in_flight.push(call.map(move |call| (call, waited)));
+                }
+                if sending.made == released {
+                    break;
+                }
+                // Every place is taken. Answers already in free theirs first (after this
+                // task was itself kept off the CPU they all are), so that only calls which
+                // found no answer in count as waiting for a place.
+                match futures_util::StreamExt::next(&mut in_flight).now_or_never() {
+                    Some(Some((call, waited))) => tally.record_open(&call, waited, measure_from),
+                    _ => {
+                        waits_before = released;
+                        break;
+                    }
+                }
             }
             let sent = sending.made;
             if sent == to_send {
@@ -437,8 +485,8 @@ impl OpenLoop {
                 }
             }
             tokio::select! {
-                Some(call) = futures_util::StreamExt::next(&mut in_flight) => {
-                    tally.record(&call, measure_from);
+                Some((call, waited)) = futures_util::StreamExt::next(&mut in_flight) => {
+                    tally.record_open(&call, waited, measure_from);
                 }
                 ticked = async {
                     match &ticker {
@@ -664,6 +712,9 @@ pub struct Report {
     pub cpu: Vec<(String, Option<f64>)>,
     latency: Histogram<u64>,
     service: Histogram<u64>,
+    send_lag: Histogram<u64>,
+    /// Open loop: measured calls that were due while every place was taken.
+    pub waited_for_place: u64,
 }
 
 impl Report {
@@ -683,6 +734,12 @@ impl Report {
     /// Service time (send to answer) at quantile `q`, in milliseconds.
     pub fn service_ms(&self, q: f64) -> f64 {
         quantile_ms(&self.service, q)
+    }
+
+    /// Open loop: how late the calls that found a place free left, at quantile `q`, in
+    /// milliseconds.
+    pub fn send_lag_ms(&self, q: f64) -> f64 {
+        quantile_ms(&self.send_lag, q)
     }
 
     pub fn errors_total(&self) -> u64 {
@@ -736,6 +793,13 @@ impl Report {
                 "p50": round(self.service_ms(0.5)),
                 "p99": round(self.service_ms(0.99)),
                 "p99_9": round(self.service_ms(0.999)),
+                "max": round(self.service.max() as f64 / 1e6),
+            },
+            "waited_for_place": self.waited_for_place,
+            "send_lag_ms": {
+                "p99": round(self.send_lag_ms(0.99)),
+                "p99_9": round(self.send_lag_ms(0.999)),
+                "max": round(self.send_lag.max() as f64 / 1e6),
             },
         })
     }
@@ -799,6 +863,15 @@ impl Report {
                 self.service_ms(0.5),
                 self.service_ms(0.99),
                 self.service_ms(0.999)
+            );
+            let _ = writeln!(
+                out,
+                "sent late: {} call(s) waited for a place; the others left p99 {:.3} ms, \
+                 p99.9 {:.3} ms, max {:.3} ms after their due time",
+                self.waited_for_place,
+                self.send_lag_ms(0.99),
+                self.send_lag_ms(0.999),
+                self.send_lag.max() as f64 / 1e6
             );
         }
         let cpu = self.cpu_us_per_call();
@@ -933,6 +1006,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         cpu,
         latency: total.latency,
         service: total.service,
+        send_lag: total.send_lag,
+        waited_for_place: total.waited_for_place,
         args,
     })
 }
