@@ -12,8 +12,9 @@
 //! bounded in time (`--duration`, plus at most one `--timeout` to drain) and optionally in
 //! count (`--requests`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -173,13 +174,17 @@ struct Tally {
     /// From each call's actual send to its answer: differs from `latency` only in an open
     /// loop, where the gap is the wait for the next tick, or for a place among those in flight.
     service: Histogram<u64>,
-    /// Open loop: from due to sent, of the calls that found a place free when due. What the
-    /// generator's own pace adds (its tick, and the CPU it waited for), apart from the
+    /// Open loop: from due to sent, of the calls that found a place free when released. What
+    /// the generator's own pace adds (its tick, and the CPU it waited for), apart from the
     /// service's.
     send_lag: Histogram<u64>,
-    /// Open loop: calls that found every place taken when due, so were sent late because
-    /// earlier calls had not been answered (a stall of the service, or of the path to it).
+    /// Open loop: calls released on time that found every place taken, so were sent late
+    /// because earlier calls had not been answered (a stall of the service, or of the path
+    /// to it, or the catching up after one).
     waited_for_place: u64,
+    /// Open loop: calls the generator released late (`LATE_RELEASE`): it was itself off the
+    /// CPU, or behind.
+    released_late: u64,
     ok: u64,
     over_limit: u64,
     other: u64,
@@ -193,6 +198,7 @@ impl Tally {
             service: histogram(),
             send_lag: histogram(),
             waited_for_place: 0,
+            released_late: 0,
             ok: 0,
             over_limit: 0,
             other: 0,
@@ -228,20 +234,17 @@ impl Tally {
         }
     }
 
-    /// An open loop's call, and whether it waited for a place (else how late it left is
-    /// the generator's own doing).
-    fn record_open(
-        &mut self,
-        call: &Call,
-        waited_for_place: bool,
-        measure_from: std::time::Instant,
-    ) {
+    /// An open loop's call, and how it left.
+    fn record_open(&mut self, call: &Call, left: Departure, measure_from: std::time::Instant) {
         if call.due < measure_from {
             return;
         }
-        if waited_for_place {
+        if left.released_late {
+            self.released_late += 1;
+        } else if left.waited {
             self.waited_for_place += 1;
-        } else {
+        }
+        if !left.waited {
             self.send_lag.saturating_record(nanos(call.sent - call.due));
         }
         self.record(call, measure_from);
@@ -423,6 +426,18 @@ impl ClosedLoop {
 /// tenth of a millisecond is a twentieth of the tightest latency target it measures (2 ms).
 const TICK: Duration = Duration::from_micros(100);
 
+/// A call released this long after it was due was late by the generator's own doing: its
+/// pacer, which wakes every tick, was off the CPU or behind with its own work.
+const LATE_RELEASE: Duration = Duration::from_micros(500);
+
+/// How an open loop's call left: whether the generator released it late, and whether it
+/// then found every place taken.
+#[derive(Clone, Copy)]
+struct Departure {
+    released_late: bool,
+    waited: bool,
+}
+
 /// An open loop: one task sends every call of the timetable once it is due, at most
 /// `concurrency` in flight (a due call waits for an answer to free a place, and its wait
 /// counts), and records the answers. Calls not sent within `grace` of the last due time
@@ -453,14 +468,23 @@ impl OpenLoop {
         // Calls due at the last tick, and calls that will be sent (all of them, unless
         // some miss the grace); `sending.made` counts those sent.
         let (mut released, mut to_send) = (0u64, timetable.total);
-        // Calls before this one were due while every place was taken.
+        // Calls before this one were released while every place was taken.
         let mut waits_before = 0u64;
+        // The calls released late, in order, as ranges of their numbers; each ends at a tick.
+        let mut late: VecDeque<Range<u64>> = VecDeque::new();
         loop {
             loop {
                 while sending.made < released && in_flight.len() < concurrency {
-                    let waited = sending.made < waits_before;
-                    let call = sending.call(timetable.due(sending.made));
-                    in_flight.push(call.map(move |call| (call, waited)));
+                    let number = sending.made;
+                    while late.front().is_some_and(|r| r.end <= number) {
+                        late.pop_front();
+                    }
+                    let left = Departure {
+                        released_late: late.front().is_some_and(|r| r.contains(&number)),
+                        waited: number < waits_before,
+                    };
+                    let call = sending.call(timetable.due(number));
+                    in_flight.push(call.map(move |call| (call, left)));
                 }
                 if sending.made == released {
                     break;
@@ -469,7 +493,7 @@ impl OpenLoop {
                 // task was itself kept off the CPU they all are), so that only calls which
                 // found no answer in count as waiting for a place.
                 match futures_util::StreamExt::next(&mut in_flight).now_or_never() {
-                    Some(Some((call, waited))) => tally.record_open(&call, waited, measure_from),
+                    Some(Some((call, left))) => tally.record_open(&call, left, measure_from),
                     _ => {
                         waits_before = released;
                         break;
@@ -485,8 +509,8 @@ impl OpenLoop {
                 }
             }
             tokio::select! {
-                Some((call, waited)) = futures_util::StreamExt::next(&mut in_flight) => {
-                    tally.record_open(&call, waited, measure_from);
+                Some((call, left)) = futures_util::StreamExt::next(&mut in_flight) => {
+                    tally.record_open(&call, left, measure_from);
                 }
                 ticked = async {
                     match &ticker {
@@ -499,7 +523,14 @@ impl OpenLoop {
                     if now > last_send {
                         to_send = sent;
                     }
+                    let before = released;
                     released = timetable.due_at(released, now).min(to_send);
+                    if let Some(late_if_due_before) = now.checked_sub(LATE_RELEASE) {
+                        let late_end = timetable.due_at(before, late_if_due_before).min(released);
+                        if late_end > before {
+                            late.push_back(before..late_end);
+                        }
+                    }
                     // At rates below a call a tick, the ticks start again at the next due
                     // time: that call leaves on time, and no tick finds nothing due.
                     let next = timetable.due(released);
@@ -713,8 +744,10 @@ pub struct Report {
     latency: Histogram<u64>,
     service: Histogram<u64>,
     send_lag: Histogram<u64>,
-    /// Open loop: measured calls that were due while every place was taken.
+    /// Open loop: measured calls released on time that found every place taken.
     pub waited_for_place: u64,
+    /// Open loop: measured calls the generator released late (`LATE_RELEASE`).
+    pub released_late: u64,
 }
 
 impl Report {
@@ -796,6 +829,8 @@ impl Report {
                 "max": round(self.service.max() as f64 / 1e6),
             },
             "waited_for_place": self.waited_for_place,
+            "released_late": self.released_late,
+            "late_release_ms": a.rate.map(|_| LATE_RELEASE.as_secs_f64() * 1e3),
             "send_lag_ms": {
                 "p99": round(self.send_lag_ms(0.99)),
                 "p99_9": round(self.send_lag_ms(0.999)),
@@ -866,8 +901,12 @@ impl Report {
             );
             let _ = writeln!(
                 out,
-                "sent late: {} call(s) waited for a place; the others left p99 {:.3} ms, \
-                 p99.9 {:.3} ms, max {:.3} ms after their due time",
+                "sent late: {} call(s) released more than {} µs after their due time (the \
+                 generator behind), {} more released on time found every place taken; those \
+                 that found a place left p99 {:.3} ms, p99.9 {:.3} ms, max {:.3} ms after \
+                 their due time",
+                self.released_late,
+                LATE_RELEASE.as_micros(),
                 self.waited_for_place,
                 self.send_lag_ms(0.99),
                 self.send_lag_ms(0.999),
@@ -1008,6 +1047,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         service: total.service,
         send_lag: total.send_lag,
         waited_for_place: total.waited_for_place,
+        released_late: total.released_late,
         args,
     })
 }
