@@ -10,7 +10,8 @@
 #      call, pipelined like turnstile's multiplexed connections;
 #   c. p99 at 50% of the peak rate, open loop (latency from each call's due time), 3 runs;
 #      then again with the service on one core and the generator on another (`taskset`), at
-#      half of the peak measured so;
+#      half of the peak measured so; and, before any load, the host's own pauses: a thread
+#      spinning alone on each CPU, timing the gaps in its run;
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
@@ -181,6 +182,44 @@ for rule in "${!CALL_ALGO[@]}"; do ALGO[$rule]="${CALL_ALGO[$rule]}"; done
 mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
 one_core=0
 [ "${#cpus[@]}" -ge 2 ] && command -v taskset >/dev/null && one_core=1
+
+# c0. The host's own pauses, before any load: on a VM the host takes a virtual CPU away, and
+#     its kernel's threads run (DAMON's kdamond, for one), for milliseconds at a time, which a
+#     p99 of 2 ms at tens of thousands of calls a second cannot absorb. A thread spinning
+#     alone on each CPU for $PAUSE_SECONDS s reads the clock and keeps the gaps over half a
+#     millisecond: time it was not running (a turn of its loop takes well under a microsecond).
+PAUSE_SECONDS=10
+[ "$QUICK" = 1 ] && PAUSE_SECONDS=3
+log "the host's pauses: a thread spinning on each CPU for $PAUSE_SECONDS s"
+spinners=()
+for cpu in "${cpus[@]}"; do
+  pin=()
+  command -v taskset >/dev/null && pin=(taskset -c "$cpu")
+  # Not in PIDS: each ends on its own after $PAUSE_SECONDS s.
+  "${pin[@]}" python3 - "$cpu" "$PAUSE_SECONDS" >"$TMP/pauses-$cpu.json" <<'EOF' &
+import json, sys, time
+cpu, seconds = int(sys.argv[1]), float(sys.argv[2])
+clock = time.perf_counter
+last = clock()
+end, gaps = last + seconds, []
+while last < end:
+    now = clock()
+    if now - last > 0.0005:
+        gaps.append(now - last)
+    last = now
+print(json.dumps({"name": f"host/pauses/{cpu}", "cpu": cpu, "seconds": seconds,
+                  "over_1_ms": sum(g > 0.001 for g in gaps),
+                  "over_2_ms": sum(g > 0.002 for g in gaps),
+                  "longest_ms": round(max(gaps, default=0.0) * 1e3, 3),
+                  "lost_ms": round(sum(gaps) * 1e3, 3)}))
+EOF
+  spinners+=($!)
+done
+for pid in "${spinners[@]}"; do wait "$pid"; done
+for cpu in "${cpus[@]}"; do
+  tee -a "$RESULTS" <"$TMP/pauses-$cpu.json" |
+    jq -r '"  CPU \(.cpu): \(.over_1_ms) pauses over 1 ms, \(.over_2_ms) over 2 ms, longest \(.longest_ms) ms"' >&2
+done
 
 TS_PID="" GRPC=""
 # await_healthy URL WHAT LOG: wait until the server just started ($TS_PID) answers URL with

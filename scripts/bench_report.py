@@ -142,6 +142,20 @@ def main(argv):
                     f"{lag['p99']:.3f} · {lag['max']:.3f} | {cpu_cell(r)} | {r['errors']} | {r['unsent']} |"
                 )
 
+    pauses = runs_under("host/pauses/")
+    if pauses:
+        w("")
+        w(
+            "The host's own pauses, before any load: a thread spinning alone on each CPU for "
+            f"{pauses[0]['seconds']:g} s was stopped "
+            + "; ".join(
+                f"on CPU {p['cpu']} {p['over_1_ms']} times for over 1 ms ({p['over_2_ms']} over 2 ms), "
+                f"the longest {p['longest_ms']:.1f} ms, {p['lost_ms']:.1f} ms in all (gaps over 0.5 ms)"
+                for p in pauses
+            )
+            + ". Whatever runs on a CPU waits out such a gap, the service or the generator."
+        )
+
     table("Memory at 100 000 keys", "| algorithm | Redis bytes per limit (used_memory Δ) | Redis keys | `MEMORY USAGE` of one limit | turnstile RSS before → after (memory backend) | RSS per key |", "|---|---:|---:|---:|---:|---:|")
     for algorithm in ("fixed_window", "sliding_window", "token_bucket"):
         redis = by.get(f"redis_memory/{algorithm}")
