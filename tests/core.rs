@@ -2088,6 +2088,16 @@ async fn environment_probe() {
     assert_eq!(code(&t.call(one()).await.unwrap()), Code::OverLimit);
 }
 
+/// turnstile with the one rule the load generator's tests call: domain `gen`, key `k`,
+/// `per_hour` calls an hour per value.
+async fn for_the_generator(per_hour: u64) -> (Rules, Turnstile) {
+    let rules = Rules::new(&format!(
+        "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {per_hour}}}\n"
+    ));
+    let t = Turnstile::start(rules.path(), &[]).await;
+    (rules, t)
+}
+
 /// The load generator the benchmarks read (`turnstile-bench`) against the real binary: an
 /// open loop sends each call of its timetable once, none late enough to go unsent, and a
 /// closed loop capped by `--requests` sends exactly that many; each counts every answer by
@@ -2096,10 +2106,7 @@ async fn environment_probe() {
 #[tokio::test]
 async fn the_load_generators_loops_send_each_call_once_and_count_the_answers() {
     use clap::Parser;
-    let rules = Rules::new(
-        "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 400}\n",
-    );
-    let t = Turnstile::start(rules.path(), &[]).await;
+    let (_rules, t) = for_the_generator(400).await;
     let target = t.grpc.to_string();
     struct Case {
         domain: &'static str,
@@ -2209,10 +2216,7 @@ async fn the_load_generators_loops_send_each_call_once_and_count_the_answers() {
 #[tokio::test]
 async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
     use clap::Parser;
-    let rules = Rules::new(
-        "domain: gen\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n",
-    );
-    let t = Turnstile::start(rules.path(), &[]).await;
+    let (_rules, t) = for_the_generator(1_000_000).await;
     let target = t.grpc.to_string();
     let signal = |signal: &str| {
         let status = Command::new("kill")
