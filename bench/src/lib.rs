@@ -470,7 +470,7 @@ impl OpenLoop {
         let (mut released, mut to_send) = (0u64, timetable.total);
         // Calls before this one were released while every place was taken.
         let mut waits_before = 0u64;
-        // The calls released late, in order, as ranges of their numbers; each ends at a tick.
+        // The calls released late and not yet sent, in order, as ranges of their numbers.
         let mut late: VecDeque<Range<u64>> = VecDeque::new();
         loop {
             loop {
@@ -527,8 +527,11 @@ impl OpenLoop {
                     released = timetable.due_at(released, now).min(to_send);
                     if let Some(late_if_due_before) = now.checked_sub(LATE_RELEASE) {
                         let late_end = timetable.due_at(before, late_if_due_before).min(released);
-                        if late_end > before {
-                            late.push_back(before..late_end);
+                        // A pacer behind tick after tick extends one range.
+                        match late.back_mut() {
+                            _ if late_end <= before => {}
+                            Some(range) if range.end == before => range.end = late_end,
+                            _ => late.push_back(before..late_end),
                         }
                     }
                     // At rates below a call a tick, the ticks start again at the next due
