@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::turnstile::{Rules, Turnstile, descriptor, nested_rules, request};
+use support::turnstile::{Rules, Turnstile, descriptor, nested_rules, request, signal};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -2218,13 +2218,6 @@ async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
     use clap::Parser;
     let (_rules, t) = for_the_generator(1_000_000).await;
     let target = t.grpc.to_string();
-    let signal = |signal: &str| {
-        let status = Command::new("kill")
-            .args([signal, &t.pid().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill {signal}");
-    };
     let stall = Duration::from_millis(250);
     // What stalls; then the calls released late, and those released on time that waited.
     let rows: [(&str, std::ops::Range<u64>, std::ops::Range<u64>); 2] =
@@ -2255,9 +2248,9 @@ async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
         let load = tokio::spawn(turnstile_bench::run(args));
         tokio::time::sleep(Duration::from_millis(300)).await;
         if stalled == "service" {
-            signal("-STOP");
+            signal(t.pid(), "STOP");
             tokio::time::sleep(stall).await;
-            signal("-CONT");
+            signal(t.pid(), "CONT");
         } else {
             // The runtime's one thread, which the generator's tasks run on, does nothing else.
             std::thread::sleep(stall);

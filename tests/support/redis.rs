@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use redis::FromRedisValue;
 
+use super::turnstile::signal;
+
 /// How long a server may take to answer PING after being started.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a Cluster may take to be created and agree on its slots.
@@ -221,21 +223,12 @@ impl RedisServer {
 
     /// Suspend the process (SIGSTOP): it keeps its connections and answers nothing.
     pub fn freeze(&self) {
-        self.signal("-STOP");
+        signal(self.pid().expect("the server is not running"), "STOP");
     }
 
     /// Resume a frozen process (SIGCONT).
     pub fn thaw(&self) {
-        self.signal("-CONT");
-    }
-
-    fn signal(&self, signal: &str) {
-        let pid = self.pid().expect("the server is not running");
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill {signal} {pid} failed");
+        signal(self.pid().expect("the server is not running"), "CONT");
     }
 
     /// The server's log so far.
