@@ -343,6 +343,12 @@ pub struct ServeArgs {
     /// ShouldRateLimit call counts from when its message has arrived.
     #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT", default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_in_flight: usize,
+    /// Of those, the most from one peer address (over all its connections), so that one
+    /// client cannot take every place and have everyone else's calls refused (which Envoy
+    /// lets through). An Envoy with its default circuit breakers keeps at most 1 024
+    /// requests in flight to one cluster.
+    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT_PER_PEER", default_value_t = 1_024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_in_flight_per_peer: usize,
     /// Most streams (calls) one gRPC connection may have open at once, advertised to the
     /// client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client that opens more has them
     /// refused, and an HTTP/2 client such as Envoy opens another connection instead.

@@ -16,7 +16,12 @@
 //! A call takes its place among the calls in flight (the process's cap on them) once its
 //! message has arrived, not when its stream opens: streams that never send their message
 //! then hold no place, so one client opening many cannot leave others none (they are cut
-//! at the deadline, and HTTP/2 bounds them per connection).
+//! at the deadline, and HTTP/2 bounds them per connection). It takes one among its peer
+//! address's calls in flight first (over all that peer's connections): a client that keeps
+//! many calls waiting (costly ones waiting for their place, or all of them while the backend
+//! is slow) is refused past its share, while the others still find places. Refused calls are
+//! errors, which Envoy lets through: without the share, one client filling the cap switched
+//! limiting off for every other.
 //!
 //! A costly call (its message past `LIGHT_MESSAGE_BYTES`: far more than Envoy's few short
 //! descriptors, such as 64 descriptors of 4 KiB) is decided only in one of a few places
@@ -45,6 +50,7 @@ use tower::{Layer, Service, ServiceExt};
 use crate::backend::Backend;
 use crate::deadline::{Deadline, grpc_timeout};
 use crate::pacemaker;
+use crate::peers::Caller;
 use crate::service::RateLimiter;
 
 /// The method this edge answers; the rest go to the inner service.
@@ -56,28 +62,31 @@ const PREFIX: usize = 5;
 /// Largest message of a light call, which never waits for a place among the costly ones.
 const LIGHT_MESSAGE_BYTES: usize = 8 << 10;
 
+/// Where calls may be, from their message's arrival to their answer.
+#[derive(Clone)]
+pub struct Places {
+    /// All calls in flight (none free: RESOURCE_EXHAUSTED at once).
+    pub in_flight: Arc<Semaphore>,
+    /// Most calls in flight from one peer address (past it: RESOURCE_EXHAUSTED at once).
+    pub per_peer: usize,
+    /// Costly calls being decided (waited for).
+    pub costly: Arc<Semaphore>,
+}
+
 /// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`, each
-/// call holding a place in `in_flight` from its message's arrival to its answer (none free:
-/// RESOURCE_EXHAUSTED at once), and a costly call one in `costly` too (waited for).
+/// call holding its `places`.
 pub struct ShouldRateLimitLayer<B> {
     limiter: Arc<RateLimiter<B>>,
     max_message_bytes: usize,
-    in_flight: Arc<Semaphore>,
-    costly: Arc<Semaphore>,
+    places: Places,
 }
 
 impl<B> ShouldRateLimitLayer<B> {
-    pub fn new(
-        limiter: Arc<RateLimiter<B>>,
-        max_message_bytes: usize,
-        in_flight: Arc<Semaphore>,
-        costly: Arc<Semaphore>,
-    ) -> Self {
+    pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize, places: Places) -> Self {
         ShouldRateLimitLayer {
             limiter,
             max_message_bytes,
-            in_flight,
-            costly,
+            places,
         }
     }
 }
@@ -87,8 +96,7 @@ impl<B> Clone for ShouldRateLimitLayer<B> {
         ShouldRateLimitLayer {
             limiter: Arc::clone(&self.limiter),
             max_message_bytes: self.max_message_bytes,
-            in_flight: Arc::clone(&self.in_flight),
-            costly: Arc::clone(&self.costly),
+            places: self.places.clone(),
         }
     }
 }
@@ -168,7 +176,7 @@ where
 impl<B: Backend> ShouldRateLimitLayer<B> {
     async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
         pacemaker::call_begins();
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         // The request timeout bounds every call, whatever its caller would wait.
         let longest = self.limiter.request_timeout();
         let timeout = parts
@@ -191,11 +199,29 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
                 .into_http();
             }
         };
-        let Ok(_in_flight) = self.in_flight.try_acquire() else {
+        let places = &self.places;
+        // Set by the listener on every connection it serves.
+        let caller = parts.extensions.remove::<Caller>();
+        let _from_peer = match &caller {
+            Some(caller) => match caller.call(places.per_peer) {
+                Some(place) => Some(place),
+                None => {
+                    return Status::resource_exhausted(format!(
+                        "{} calls in flight from {}, the most one peer address may have \
+                         (--max-in-flight-per-peer)",
+                        places.per_peer,
+                        caller.remote.ip()
+                    ))
+                    .into_http();
+                }
+            },
+            None => None,
+        };
+        let Ok(_in_flight) = places.in_flight.try_acquire() else {
             return Status::resource_exhausted("too many calls in flight").into_http();
         };
         let _costly = if message.len() > LIGHT_MESSAGE_BYTES {
-            let Some(Ok(place)) = deadline.bound(self.costly.acquire()).await else {
+            let Some(Ok(place)) = deadline.bound(places.costly.acquire()).await else {
                 return Status::deadline_exceeded(format!(
                     "a costly call (a message of {} bytes) found no place among the costly \
                      calls in progress in time",

@@ -34,10 +34,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 use crate::metrics::ConnectionMetrics;
-use crate::peers::{FromPeer, Peers};
+use crate::peers::{Caller, FromPeer, Peers};
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -171,7 +171,6 @@ struct Accepted {
 
 /// What is known of an accepted connection before its handshake.
 struct Peer {
-    local: Option<SocketAddr>,
     remote: SocketAddr,
     slot: Slot,
 }
@@ -227,7 +226,6 @@ impl Dispatch {
 async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
     let slots = Arc::new(Semaphore::new(port.max_connections));
     let peers = Peers::default();
-    let local = listener.local_addr().ok();
     let mut backoff = FIRST_BACKOFF;
     loop {
         let accepted = tokio::select! {
@@ -260,33 +258,19 @@ async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
             continue;
         };
         let slot = Slot::new(permit, from_peer, port.metrics.open.clone());
-        dispatch
-            .send(
-                stream,
-                Peer {
-                    local,
-                    remote,
-                    slot,
-                },
-            )
-            .await;
+        dispatch.send(stream, Peer { remote, slot }).await;
     }
 }
 
 /// Run `port`'s handshake on `stream`, then hand the connection to the server.
 async fn handshake(port: Arc<Port>, stream: TcpStream, peer: Peer, ready: mpsc::Sender<Conn>) {
-    let Peer {
-        local,
-        remote,
-        slot,
-    } = peer;
+    let Peer { remote, slot } = peer;
     match port.handshake.run(stream).await {
         Ok((io, replay)) => {
             let conn = Conn {
                 io,
                 replay,
-                local,
-                remote,
+                caller: slot.from_peer.caller(remote),
                 stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
                 coalesce: port.handshake.multiplexed().then(Coalesce::default),
                 _slot: slot,
@@ -357,7 +341,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 /// Holds one of a port's connection slots, and its peer's, while the connection is open.
 struct Slot {
     _permit: OwnedSemaphorePermit,
-    _from_peer: FromPeer,
+    from_peer: FromPeer,
     open: Gauge,
     /// The open connections of the thread serving it.
     on_thread: Option<Arc<AtomicUsize>>,
@@ -368,7 +352,7 @@ impl Slot {
         open.increment(1.0);
         Slot {
             _permit: permit,
-            _from_peer: from_peer,
+            from_peer,
             open,
             on_thread: None,
         }
@@ -394,8 +378,8 @@ pub struct Conn {
     io: Box<dyn Io>,
     /// Read during the handshake, not yet given to the server.
     replay: &'static [u8],
-    local: Option<SocketAddr>,
-    remote: SocketAddr,
+    /// Given to each of its calls.
+    caller: Caller,
     stall: Option<Stall>,
     /// On multiplexed connections.
     coalesce: Option<Coalesce>,
@@ -507,13 +491,10 @@ impl Conn {
 }
 
 impl Connected for Conn {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = Caller;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        TcpConnectInfo {
-            local_addr: self.local,
-            remote_addr: Some(self.remote),
-        }
+    fn connect_info(&self) -> Caller {
+        self.caller.clone()
     }
 }
 
@@ -709,20 +690,16 @@ mod tests {
 
     fn serving(handshake: &Handshake, socket: Socket) -> Conn {
         let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let from_peer = Peers::default()
+            .take(std::net::IpAddr::from([127, 0, 0, 1]), 1)
+            .unwrap();
         Conn {
             io: Box::new(socket),
             replay: &[],
-            local: None,
-            remote: SocketAddr::from(([127, 0, 0, 1], 1)),
+            caller: from_peer.caller(SocketAddr::from(([127, 0, 0, 1], 1))),
             stall: None,
             coalesce: handshake.multiplexed().then(Coalesce::default),
-            _slot: Slot::new(
-                permit,
-                Peers::default()
-                    .take(std::net::IpAddr::from([127, 0, 0, 1]), 1)
-                    .unwrap(),
-                Gauge::noop(),
-            ),
+            _slot: Slot::new(permit, from_peer, Gauge::noop()),
         }
     }
 

@@ -32,7 +32,7 @@ use crate::cli::{
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
 use crate::fallback::Fallback;
-use crate::grpc::ShouldRateLimitLayer;
+use crate::grpc::{Places, ShouldRateLimitLayer};
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
 use crate::listener::{self, Handshake, Port};
@@ -443,8 +443,11 @@ async fn run<B: Backend>(
                     .layer(ShouldRateLimitLayer::new(
                         limiter.clone(),
                         args.max_message_bytes,
-                        in_flight.clone(),
-                        costly.clone(),
+                        Places {
+                            in_flight: in_flight.clone(),
+                            per_peer: args.max_in_flight_per_peer,
+                            costly: costly.clone(),
+                        },
                     ))
                     .load_shed()
                     .layer(GlobalConcurrencyLimitLayer::with_semaphore(

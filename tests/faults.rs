@@ -1007,30 +1007,43 @@ async fn on_redis(redis: &RedisServer, rules: &Rules, flags: &[&str]) -> Turnsti
     Turnstile::start(rules.path(), &args).await
 }
 
-/// The in-flight cap: Redis frozen, `--max-in-flight 2 --redis-timeout 1s` and a breaker that
-/// never opens, so every call that gets in waits 1 s. Ten streams on ten connections: never
-/// more than two calls in the service, and every other call refused at once with
-/// RESOURCE_EXHAUSTED.
+/// The in-flight caps: Redis frozen, `--redis-timeout 1s` and a breaker that never opens, so
+/// every call that gets in waits 1 s. Ten streams on ten connections: never more than two
+/// calls in the service, and every other call refused at once with RESOURCE_EXHAUSTED, by
+/// the cap on all calls (`--max-in-flight 2`), or by the share of one peer address (every
+/// connection here comes from 127.0.0.1) while the cap on all calls has room (10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_in_flight_cap_refuses_the_excess_at_once() {
+async fn the_in_flight_caps_refuse_the_excess_at_once() {
+    // (cap flags, what a refusal says)
+    let rows = [
+        (
+            ["--max-in-flight", "2", "--max-in-flight-per-peer", "1000"],
+            "too many calls in flight",
+        ),
+        (
+            ["--max-in-flight", "10", "--max-in-flight-per-peer", "2"],
+            "2 calls in flight from 127.0.0.1, the most one peer address may have",
+        ),
+    ];
+    for (caps, refusal) in rows {
+        in_flight_cap_refuses_the_excess_at_once(&caps, refusal).await;
+    }
+}
+
+async fn in_flight_cap_refuses_the_excess_at_once(caps: &[&str], refusal: &str) {
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let mut t = on_redis(
-        &redis,
-        &rules,
-        &[
-            "--redis-timeout",
-            "1s",
-            "--max-in-flight",
-            "2",
-            "--breaker-failures",
-            "1000000",
-            "--request-timeout",
-            "5s",
-        ],
-    )
-    .await;
+    let mut flags = vec![
+        "--redis-timeout",
+        "1s",
+        "--breaker-failures",
+        "1000000",
+        "--request-timeout",
+        "5s",
+    ];
+    flags.extend_from_slice(caps);
+    let mut t = on_redis(&redis, &rules, &flags).await;
     let signal = request("faults", vec![descriptor(&[("signal", "cap")])]);
     let mut targets = Vec::new();
     for id in 0..10 {
@@ -1052,6 +1065,13 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
     let (waited, shed): (Vec<&Sample>, Vec<&Sample>) = samples
         .iter()
         .partition(|s| !matches!(s.answer, Answer::Failed(tonic::Code::ResourceExhausted, _)));
+    for s in &shed {
+        assert!(
+            matches!(&s.answer, Answer::Failed(_, message) if message.starts_with(refusal)),
+            "{caps:?}: a refusal said {:?}",
+            s.answer
+        );
+    }
     for s in &waited {
         assert!(
             matches!(s.answer, Answer::Failed(tonic::Code::Unavailable, _)),
@@ -1082,7 +1102,10 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
         now += step;
         most = most.max(now);
     }
-    assert!(most <= 2, "{most} calls were in the service at once");
+    assert!(
+        most <= 2,
+        "{caps:?}: {most} calls were in the service at once"
+    );
     assert!(
         waited.len() >= 4,
         "only {} calls got in over {:?}: the slots were not reused",
@@ -1095,7 +1118,7 @@ async fn the_in_flight_cap_refuses_the_excess_at_once() {
         "a refusal took {shed_max:?}"
     );
     println!(
-        "[faults] in-flight    {} calls with Redis frozen: {} got in (answered UNAVAILABLE after 0.95-1.5 s, at most {most} at once), {} refused RESOURCE_EXHAUSTED, p99 {:.2?}, max {shed_max:.2?}",
+        "[faults] in-flight    {caps:?}: {} calls with Redis frozen: {} got in (answered UNAVAILABLE after 0.95-1.5 s, at most {most} at once), {} refused RESOURCE_EXHAUSTED, p99 {:.2?}, max {shed_max:.2?}",
         samples.len(),
         waited.len(),
         shed.len(),

@@ -36,7 +36,7 @@ use crate::active::ActiveRules;
 use crate::config::DomainRules;
 use crate::decision::FailurePolicy;
 use crate::metrics::{Metrics, StatsKey};
-use crate::peers::{FromPeer, Peers};
+use crate::peers::{Caller, FromPeer, Peers};
 
 /// What a bucket's first report is taken to cover (Envoy reports every 5 s).
 const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
@@ -105,7 +105,11 @@ impl RateLimitQuotaService for QuotaService {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
         let settings = &self.inner.settings;
-        let from_peer = match request.remote_addr() {
+        let from_peer = match request
+            .extensions()
+            .get::<Caller>()
+            .map(|caller| caller.remote)
+        {
             Some(peer) => {
                 let share = self
                     .inner
