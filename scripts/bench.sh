@@ -5,6 +5,7 @@
 #      OVER_LIMIT);
 #   a2. Redis coalescing A/B: 64 in flight with --redis-batch 1 and the default, then 256 and
 #      512 in flight counting errors;
+#   a3. the Redis I/O thread's scheduler slice A/B: the default and the kernel's, in turn;
 #   b. the Redis ceiling: redis-benchmark running the same FCALL of the real batch script's
 #      function (`turnstile redis-script --library`) against the same Redis, one request per
 #      call, pipelined like turnstile's multiplexed connections;
@@ -376,6 +377,22 @@ for batch in 1 default pool1; do
     LOAD_CONCURRENCY="$inflight" load "redis_batch_$batch/fixed_window/$BIG/c$inflight" redis fw "$BIG"
   done
   stop "$TS_PID"
+done
+
+# a3. The Redis I/O thread's scheduler slice, A/B in one run: the Redis backend at 64 in
+#     flight sharing the cores, with the default slice (100 µs) and the kernel's own
+#     (--redis-io-slice 0) in turn, three rounds each: one pair moves with the host by more
+#     than the change does.
+for round in 1 2 3; do
+  for slice in default kernel; do
+    case "$slice" in
+      default) start_turnstile redis ;;
+      kernel) start_turnstile redis --redis-io-slice 0 ;;
+    esac
+    rcli FLUSHALL >/dev/null
+    load "io_slice/$slice/$round" redis fw "$BIG"
+    stop "$TS_PID"
+  done
 done
 
 # ---------------------------------------------------------------------------------------

@@ -248,6 +248,19 @@ def main(argv):
             cells = [backend, described, build, *round_cells(runs, backend, "turnstile")]
             w("| " + " | ".join(cells) + " |")
 
+    slices = {
+        "default": "100 µs (default)",
+        "kernel": "the kernel's (`--redis-io-slice 0`)",
+    }
+    if any(r["name"].startswith("io_slice/") for r in rows):
+        table("The Redis I/O thread's scheduler slice, A/B in this run (Redis backend, fixed window, 100 000 keys, 64 in flight, sharing the cores; the two in turn)", "| I/O thread's slice | decisions/s (each round) | mean | CPU µs/decision turnstile (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors |", "|---|---|---:|---|---|---|---:|")
+        for slice, described in slices.items():
+            runs = runs_under(f"io_slice/{slice}/")
+            if runs:
+                cells = round_cells(runs, "redis", "turnstile")
+                mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
+                w("| " + " | ".join([described, cells[0], mean, *cells[1:]]) + " |")
+
     peer = [r for r in rows if r["name"].startswith("peer/")]
 
     def peer_rounds(backend, side, keys):

@@ -269,6 +269,19 @@ fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
+/// 0, or a slice Linux takes: 100 µs to 100 ms.
+fn io_slice(text: &str) -> Result<Duration, String> {
+    let slice = duration(text)?;
+    if slice.is_zero() || (Duration::from_micros(100)..=Duration::from_millis(100)).contains(&slice)
+    {
+        Ok(slice)
+    } else {
+        Err(format!(
+            "{text} is not a slice Linux takes: 0 (the kernel's default) or 100us to 100ms"
+        ))
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -424,6 +437,11 @@ pub struct ServeArgs {
     /// each decided on its own. 1 turns coalescing off: every request is a call of its own.
     #[arg(long, env = "TURNSTILE_REDIS_BATCH", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub redis_batch: usize,
+    /// The Redis I/O thread's scheduler slice (Linux 6.12+; ignored elsewhere): a short one
+    /// lets the thread run as soon as it is woken, rather than after the slice of whatever
+    /// runs on its CPU, and leaves its share of the CPU as it is. 0: the kernel's default.
+    #[arg(long, env = "TURNSTILE_REDIS_IO_SLICE", value_parser = io_slice, default_value = "100us")]
+    pub redis_io_slice: Duration,
     /// Bound on every Redis call; past it the call counts as failed.
     #[arg(long, env = "TURNSTILE_REDIS_TIMEOUT", value_parser = duration, default_value = "25ms")]
     pub redis_timeout: Duration,
@@ -678,5 +696,34 @@ mod tests {
         ] {
             assert_eq!(serve(args).grpc_threads(), threads, "{args:?}");
         }
+    }
+
+    /// The I/O thread's slice: 0 (the kernel's default), or what Linux takes (100 µs to
+    /// 100 ms); anything else is refused with the range.
+    #[test]
+    fn the_io_slice_is_zero_or_what_linux_takes() {
+        for (text, slice) in [
+            ("0", Some(Duration::ZERO)),
+            ("100us", Some(Duration::from_micros(100))),
+            ("3ms", Some(Duration::from_millis(3))),
+            ("100ms", Some(Duration::from_millis(100))),
+            ("99us", None),
+            ("101ms", None),
+            ("soon", None),
+        ] {
+            let line = ["turnstile", "serve", "--redis-io-slice", text];
+            match (Cli::try_parse_from(line), slice) {
+                (Ok(cli), Some(slice)) => match cli.command {
+                    Command::Serve(serve) => assert_eq!(serve.redis_io_slice, slice, "{text}"),
+                    _ => unreachable!("a serve command line"),
+                },
+                (Err(err), None) => assert!(
+                    err.to_string().contains("100us to 100ms") || text == "soon",
+                    "{text}: {err}"
+                ),
+                (result, _) => panic!("{text}: {:?}", result.map(|_| ())),
+            }
+        }
+        assert_eq!(serve(&[]).redis_io_slice, Duration::from_micros(100));
     }
 }

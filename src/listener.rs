@@ -12,7 +12,9 @@
 //! peer that stopped reading) closes the connection.
 //!
 //! The gRPC port's connections are spread over serving threads (`spread`), each with a
-//! runtime of its own that registers the socket and serves it to the end.
+//! runtime of its own that registers the socket and serves it to the end. Each call is told
+//! who it comes from (`Caller`: the peer's address, and the calls that peer has in flight
+//! over all its connections, which `grpc` bounds).
 //!
 //! A gRPC connection's writes are coalesced: the first write of a burst yields once, so the
 //! answers finished in the same scheduler tick leave in one write instead of one each

@@ -126,6 +126,7 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         mode,
         connections: args.redis_connections,
         batch: args.redis_batch,
+        io_slice: Some(args.redis_io_slice).filter(|slice| !slice.is_zero()),
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
         key_prefix: args.cache_key_prefix.clone(),

@@ -2219,3 +2219,64 @@ async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     let first_now = one(&b, &hit("first", ten_an_hour, 0)).await;
     assert_eq!(first_now.remaining, 10, "{first_now:?}");
 }
+
+/// The Redis I/O thread's scheduler slice, as the kernel reports it (`se.slice` in
+/// /proc/<pid>/task/<tid>/sched, in ns): 100 µs by default, what `--redis-io-slice` says, or
+/// with 0 the kernel's default (the serving thread's, which turnstile leaves alone). Linux
+/// takes a slice for ordinary threads from 6.12: on older kernels this test says so and
+/// checks nothing.
+#[tokio::test]
+async fn the_redis_io_thread_gets_its_scheduler_slice() {
+    use support::turnstile::{Rules, Turnstile};
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let version: Vec<u32> = release
+        .split(|c: char| !c.is_ascii_digit())
+        .take(2)
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    if version < vec![6, 12] {
+        println!("kernel {release:?} takes no slice for ordinary threads: not checked");
+        return;
+    }
+    let server = RedisServer::start();
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
+    );
+    let url = server.url();
+    // The slice of the process's thread named `name`, in ns.
+    let slice_of = |pid: u32, name: &str| -> Option<u64> {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+        tasks.flatten().find_map(|task| {
+            let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            if comm.trim_end() != name {
+                return None;
+            }
+            let sched = std::fs::read_to_string(task.path().join("sched")).ok()?;
+            let line = sched.lines().find(|l| l.starts_with("se.slice"))?;
+            line.rsplit(':').next()?.trim().parse().ok()
+        })
+    };
+    // (flags, the slice expected: None for the serving thread's)
+    for (flags, expected) in [
+        (&[][..], Some(100_000)),
+        (&["--redis-io-slice", "2ms"][..], Some(2_000_000)),
+        (&["--redis-io-slice", "0"][..], None),
+    ] {
+        let mut args = vec!["--backend", "redis", "--redis-url", &url];
+        args.extend_from_slice(flags);
+        let t = Turnstile::start(rules.path(), &args).await;
+        let pid = t.pid();
+        // Thread names are cut at 15 bytes.
+        let expected = expected.or_else(|| slice_of(pid, "turnstile-grpc-"));
+        assert!(expected.is_some(), "{flags:?}: no serving thread found");
+        // Set by a task on the I/O thread once the backend is made: healthy is after that,
+        // but the task may run a little later.
+        let until = Instant::now() + Duration::from_secs(2);
+        let mut seen = slice_of(pid, "turnstile-redis");
+        while seen != expected && Instant::now() < until {
+            sleep(Duration::from_millis(20)).await;
+            seen = slice_of(pid, "turnstile-redis");
+        }
+        assert_eq!(seen, expected, "{flags:?}: the I/O thread's slice in ns");
+    }
+}

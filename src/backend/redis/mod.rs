@@ -17,6 +17,7 @@ mod layout;
 mod mailbox;
 mod script;
 mod sentinel;
+mod slice;
 mod twins;
 
 use std::fmt;
@@ -83,6 +84,10 @@ pub struct RedisConfig {
     pub auth: Option<String>,
     /// Bare `host:port` addresses use TLS (REDIS_TLS).
     pub tls_by_default: bool,
+    /// The I/O thread's scheduler slice, which sets how soon it runs when woken (see
+    /// `slice`); the thread is the process's, shared by its backends. None: left as it is
+    /// (the kernel's default). Default: 100 µs.
+    pub io_slice: Option<Duration>,
 }
 
 /// PEM certificates for TLS to Redis.
@@ -108,6 +113,7 @@ impl Default for RedisConfig {
             tls: RedisTls::default(),
             auth: None,
             tls_by_default: false,
+            io_slice: Some(Duration::from_micros(100)),
         }
     }
 }
@@ -165,6 +171,9 @@ impl RedisBackend {
         // On the I/O runtime, which then drives the connections (see `coalesce`).
         let owned = config.clone();
         let pool = on_io(async move { Pool::connect(&owned).await }).await?;
+        if let Some(slice) = config.io_slice {
+            slice::give_io_thread(slice);
+        }
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 pool,
