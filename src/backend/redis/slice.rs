@@ -7,7 +7,7 @@
 //! a tenth of a millisecond or more late while the other CPU sat idle. A thread with a
 //! shorter slice has an earlier deadline, so it runs at once when woken; its share of the CPU
 //! is unchanged (that is its weight, its nice value). With a 100 µs slice, on 2 CPUs shared
-//! with Redis and the load generator, decisions/s rose by about 7 % (BENCHMARKS.md).
+//! with Redis and the load generator, decisions/s rose by 3 to 8 % (BENCHMARKS.md).
 //!
 //! Linux 6.12 and later take a slice for ordinary threads (`sched_setattr`'s
 //! `sched_runtime`, 0.1 to 100 ms, no privilege needed); earlier kernels ignore it, and other
@@ -16,11 +16,11 @@
 use std::io;
 use std::time::Duration;
 
-use super::coalesce::io;
+use super::coalesce;
 
 /// Give the I/O thread `slice` (from the thread itself, by a task it runs).
 pub(super) fn give_io_thread(slice: Duration) {
-    io().spawn(async move {
+    coalesce::io().spawn(async move {
         if let Err(error) = set_for_this_thread(slice) {
             tracing::debug!(%error, ?slice, "the kernel took no slice for the Redis I/O thread");
         }
