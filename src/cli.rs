@@ -359,7 +359,8 @@ pub struct ServeArgs {
     /// Of those, the most from one peer address (over all its connections), so that one
     /// client cannot take every place and have everyone else's calls refused (which Envoy
     /// lets through). An Envoy with its default circuit breakers keeps at most 1 024
-    /// requests in flight to one cluster.
+    /// requests in flight to one cluster; clients behind one NAT share an address, so raise
+    /// it there.
     #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT_PER_PEER", default_value_t = 1_024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_in_flight_per_peer: usize,
     /// Most streams (calls) one gRPC connection may have open at once, advertised to the
