@@ -51,7 +51,7 @@ sed -e 's/{address: 0.0.0.0, port_value: 9901}/{address: 127.0.0.1, port_value: 
     examples/envoy/envoy.yaml >"$work/envoy.yaml"
 
 redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
-  --dir "$work" >"$work/redis.log" 2>&1 &
+  --maxmemory 256mb --maxmemory-policy volatile-lru --dir "$work" >"$work/redis.log" 2>&1 &
 pids+=($!)
 for i in 1 2; do
   grpc=$((8071 + 10 * i)) http=$((8070 + 10 * i)) debug=$((6069 + i))

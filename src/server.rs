@@ -283,11 +283,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             // RLQS shares live in the same Redis, on the same connections.
             let redis = Arc::new(OnceLock::new());
             let connected = Deferred::connect({
-                let redis = redis.clone();
+                let (redis, metrics) = (redis.clone(), metrics.clone());
                 move || {
-                    let (config, redis) = (config.clone(), redis.clone());
+                    let (config, redis, metrics) = (config.clone(), redis.clone(), metrics.clone());
                     async move {
                         let backend = RedisBackend::connect(&config).await?;
+                        backend.watch_eviction(metrics);
                         let _ = redis.set(backend.clone());
                         Ok(backend)
                     }

@@ -1730,6 +1730,163 @@ async fn sigterm_drains_calls_in_flight_and_reports_not_serving() {
     assert!(exit.success(), "{exit}");
 }
 
+const EVICTS_WHEN_FULL: &str = "turnstile_redis_evicts_when_full";
+
+/// `turnstile_redis_evicts_when_full` once turnstile has read Redis' settings (within 5 s).
+async fn evicts_when_full(t: &support::turnstile::Turnstile) -> Option<f64> {
+    let deadline = Instant::now() + 5 * SEC;
+    loop {
+        let seen = t.metric(EVICTS_WHEN_FULL).await;
+        if seen.is_some() || Instant::now() > deadline {
+            return seen;
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// On a Cluster every master's settings count: one under `noeviction`, whichever it is, is
+/// enough for the gauge to say so.
+#[tokio::test]
+async fn every_cluster_master_is_asked_what_it_does_once_full() {
+    use support::turnstile::{Rules, Turnstile};
+    let cluster = RedisCluster::shared();
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let urls = cluster.urls().join(",");
+    let args = [
+        "--redis-url",
+        &urls,
+        "--redis-type",
+        "cluster",
+        "--redis-timeout",
+        "2s",
+    ];
+    // Rows: the master set to `noeviction` (its port), if any, and the gauge. The harness
+    // starts every node bounded and evicting; the setting changes no answer below 256 MB, so
+    // the other tests on this Cluster see nothing of it.
+    let masters = cluster.masters();
+    let mut rows = vec![(None, 1.0)];
+    rows.extend(masters.iter().map(|m| (Some(m.port()), 0.0)));
+    for (refusing, gauge) in rows {
+        let master = masters.iter().find(|m| Some(m.port()) == refusing);
+        if let Some(master) = master {
+            let _: String = master.query(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        }
+        let t = Turnstile::start(rules.path(), &args).await;
+        let seen = evicts_when_full(&t).await;
+        if let Some(master) = master {
+            let _: String = master.query(&["CONFIG", "SET", "maxmemory-policy", "volatile-lru"]);
+        }
+        assert_eq!(seen, Some(gauge), "noeviction on {refusing:?}");
+    }
+}
+
+/// A client sending a new descriptor value with every request fills Redis with new keys.
+/// Redis that evicts then makes room, and every other client is still limited; Redis under
+/// `noeviction` refuses every decision, which turnstile reads from its settings and shows in
+/// `turnstile_redis_evicts_when_full` (with a warning in its log).
+#[tokio::test]
+async fn a_flood_of_new_keys_stops_limiting_only_where_redis_does_not_evict() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::turnstile::{Rules, Turnstile, descriptor, request};
+    let rules = Rules::new(
+        "domain: d\ndescriptors:\n  - key: flood\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n  - key: steady\n    rate_limit: {unit: hour, requests_per_unit: 3}\n",
+    );
+    // Rows: redis.conf lines (after the harness's 256 MB, volatile-lru), the gauge, and
+    // after a flood, whether another client is still limited (None: no flood).
+    let rows: [(&str, Option<f64>, Option<bool>); 4] = [
+        ("maxmemory 3mb\n", Some(1.0), Some(true)),
+        (
+            "maxmemory 3mb\nmaxmemory-policy noeviction\n",
+            Some(0.0),
+            Some(false),
+        ),
+        ("maxmemory 0\n", Some(0.0), None),
+        ("rename-command CONFIG \"\"\n", None, None),
+    ];
+    for (lines, gauge, limited) in rows {
+        let server = RedisServer::start_with(lines);
+        let url = server.url();
+        let t = Turnstile::start(
+            rules.path(),
+            &["--redis-url", &url, "--redis-timeout", "2s"],
+        )
+        .await;
+        let steady = || request("d", vec![descriptor(&[("steady", "s")])]);
+        // The backend is connected once a decision comes from Redis; its settings are read
+        // right after.
+        let first = t.call(steady()).await.expect("decided on Redis");
+        assert_eq!(first.statuses[0].limit_remaining, 2, "{lines}");
+        let seen = match gauge {
+            Some(_) => evicts_when_full(&t).await,
+            None => {
+                sleep(Duration::from_millis(300)).await;
+                t.metric(EVICTS_WHEN_FULL).await
+            }
+        };
+        assert_eq!(seen, gauge, "{lines}");
+        let Some(limited) = limited else {
+            continue;
+        };
+        // The flood: 256 calls of 64 new values of 100 bytes each, about 16 000 keys, twice
+        // what 3 MB holds.
+        let channel = t.channel().await;
+        let mut flood = tokio::task::JoinSet::new();
+        for task in 0..8 {
+            let mut client = envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::new(channel.clone());
+            flood.spawn(async move {
+                let mut failed = 0;
+                for call in 0..32 {
+                    let descriptors = (0..64)
+                        .map(|i| {
+                            let value = format!("{task}-{call}-{i}-{}", "x".repeat(90));
+                            descriptor(&[("flood", value.as_str())])
+                        })
+                        .collect();
+                    failed += client
+                        .should_rate_limit(request("d", descriptors))
+                        .await
+                        .is_err() as usize;
+                }
+                failed
+            });
+        }
+        let mut failed = 0;
+        while let Some(done) = flood.join_next().await {
+            failed += done.expect("a flood task panicked");
+        }
+        let evicted: u64 = server
+            .info("stats", "evicted_keys")
+            .and_then(|n| n.parse().ok())
+            .expect("evicted_keys");
+        if limited {
+            assert!(evicted > 1_000, "the flood filled Redis: {evicted} evicted");
+            assert_eq!(failed, 0, "every call of the flood decided");
+            // One left after the flood, or three if it evicted the count: refused either way
+            // by the fourth call, and every call decided.
+            let mut answers = Vec::new();
+            for _ in 0..4 {
+                answers.push(t.call(steady()).await.map(|a| a.overall_code()));
+            }
+            assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+            assert_eq!(
+                answers.last().unwrap().as_ref().ok(),
+                Some(&Code::OverLimit)
+            );
+        } else {
+            // Full, Redis refused the flood's decisions, and would refuse anyone's.
+            assert_eq!(evicted, 0, "{lines}");
+            let refused = server.info("errorstats", "errorstat_OOM");
+            assert!(
+                refused.as_deref().is_some_and(|r| r != "count=0"),
+                "{refused:?}"
+            );
+            assert!(failed > 0, "the flood's calls failed once Redis was full");
+        }
+    }
+}
+
 /// The table tests/core.rs holds the memory backend to, on Redis with its over-limit cache.
 #[tokio::test]
 async fn the_reference_answers_where_clients_see_them() {

@@ -122,6 +122,11 @@ impl RedisServer {
             dir.display(),
             dir.join("redis.log").display()
         );
+        // As the README asks of a Redis in production: bounded, making room from keys with a
+        // TTL (all of turnstile's). A test's own lines come after, and win.
+        if !matches!(self.kind, Kind::Sentinel { .. }) {
+            config.push_str("maxmemory 256mb\nmaxmemory-policy volatile-lru\n");
+        }
         match &self.kind {
             Kind::Standalone => {}
             // The bus port explicitly: with `tls-cluster` it would follow the TLS port.

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use ::redis::aio::ConnectionManager;
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Cmd, ConnectionInfo, FromRedisValue, RedisError, RedisResult};
+use ::redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use ::redis::{Cmd, ConnectionInfo, FromRedisValue, RedisError, RedisResult, Value};
 
 use super::client::{RoundRobin, certificates, client, managers, resolve, unavailable};
 use super::sentinel::SentinelPool;
@@ -91,6 +92,26 @@ impl Pool {
             Pool::Single(pool) => cmd.query_async(&mut pool.pick()).await,
             Pool::Sentinel(pool) => cmd.query_async(&mut pool.pick()).await,
             Pool::Cluster(pool) => cmd.query_async(&mut pool.pick()).await,
+        }
+    }
+
+    /// Send `cmd` to every master: each one's reply (or the error in its place) by its
+    /// address, which is empty outside a Cluster (one master).
+    pub(super) async fn every_master(&self, cmd: Cmd) -> RedisResult<Vec<(String, Value)>> {
+        let Pool::Cluster(pool) = self else {
+            return Ok(vec![(String::new(), self.query(&cmd).await?)]);
+        };
+        let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        // Without a response policy, the replies come as a map from each node's address.
+        match pool.pick().route_command(cmd, all).await? {
+            Value::Map(replies) => Ok(replies
+                .into_iter()
+                .map(|(node, reply)| {
+                    let node = String::from_redis_value(node).unwrap_or_default();
+                    (node, reply)
+                })
+                .collect()),
+            reply => Ok(vec![(String::new(), reply)]),
         }
     }
 

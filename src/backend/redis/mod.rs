@@ -13,6 +13,7 @@ mod clock;
 mod cluster;
 mod coalesce;
 mod connect;
+mod eviction;
 mod layout;
 mod mailbox;
 mod script;
@@ -30,6 +31,7 @@ use ::redis::{RedisError, RedisResult};
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
 use crate::deadline::Deadline;
+use crate::metrics::Metrics;
 use clock::Clock;
 use coalesce::{Lanes, io};
 use connect::Pool;
@@ -190,6 +192,12 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
+    /// Read what Redis does once full now and every minute, for as long as this backend
+    /// lives: logged, and shown in `turnstile_redis_evicts_when_full` (see `eviction`).
+    pub fn watch_eviction(&self, metrics: Arc<Metrics>) {
+        eviction::watch(Arc::downgrade(&self.shared), metrics);
+    }
+
     /// Run a script of another module on `<prefix>{<identity>}<suffix>`: a key in the Cluster
     /// slot of the limit whose state key is `identity`. Bounded by the call timeout.
     pub async fn eval(
