@@ -152,13 +152,26 @@ pub fn load(path: &Path) -> Result<RuleSet, ConfigErrors> {
 pub fn load_with(path: &Path, options: LoadOptions) -> Result<RuleSet, ConfigErrors> {
     let files = source::config_files(path, options.files).map_err(|e| ConfigErrors(vec![e]))?;
     let mut loader = Loader::new(options.merge_domains);
+    let mut left = MAX_TOTAL_BYTES;
     for file in files {
         let name = file.display().to_string();
-        match read_capped(&file) {
+        match read_capped(&file, &mut left) {
             Ok(text) => loader.add(&name, &text),
-            Err(message) => loader
-                .errors
-                .push(ConfigError::at(&name, Pos::START, message)),
+            Err(Unread::PastTotal) => {
+                let message = format!(
+                    "config files together larger than {} MiB",
+                    MAX_TOTAL_BYTES >> 20
+                );
+                loader
+                    .errors
+                    .push(ConfigError::at(&name, Pos::START, message));
+                break;
+            }
+            Err(Unread::Other(message)) => {
+                loader
+                    .errors
+                    .push(ConfigError::at(&name, Pos::START, message))
+            }
         }
     }
     loader.finish()
@@ -168,21 +181,42 @@ pub fn load_with(path: &Path, options: LoadOptions) -> Result<RuleSet, ConfigErr
 /// file from costing a reload seconds and the process gigabytes.
 const MAX_FILE_BYTES: u64 = 16 << 20;
 
-/// A rules file's text, or why it cannot be read: unreadable, not UTF-8, or larger than
-/// `MAX_FILE_BYTES` (read only that far, however large it is or grows).
-fn read_capped(file: &Path) -> Result<String, String> {
+/// Most bytes all rules files together hold: a directory of many files within
+/// `MAX_FILE_BYTES` each must not cost what one larger file may not.
+const MAX_TOTAL_BYTES: u64 = 64 << 20;
+
+/// Why a rules file was not read.
+enum Unread {
+    /// It would take the files past `MAX_TOTAL_BYTES`.
+    PastTotal,
+    Other(String),
+}
+
+/// A rules file's text, or why it cannot be read: unreadable, not UTF-8, larger than
+/// `MAX_FILE_BYTES`, or larger than the `left` bytes of all files' bound (read only that far,
+/// however large it is or grows). What was read comes off `left`, read in vain or not.
+fn read_capped(file: &Path, left: &mut u64) -> Result<String, Unread> {
     use std::io::Read;
     let mut bytes = Vec::new();
     fs::File::open(file)
-        .and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(|e| format!("cannot read config file: {e}"))?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!(
+        .and_then(|f| {
+            f.take(MAX_FILE_BYTES.min(*left) + 1)
+                .read_to_end(&mut bytes)
+        })
+        .map_err(|e| Unread::Other(format!("cannot read config file: {e}")))?;
+    let read = bytes.len() as u64;
+    if read > *left {
+        return Err(Unread::PastTotal);
+    }
+    *left -= read;
+    if read > MAX_FILE_BYTES {
+        return Err(Unread::Other(format!(
             "config file larger than {} MiB",
             MAX_FILE_BYTES >> 20
-        ));
+        )));
     }
-    String::from_utf8(bytes).map_err(|e| format!("cannot read config file: {}", e.utf8_error()))
+    String::from_utf8(bytes)
+        .map_err(|e| Unread::Other(format!("cannot read config file: {}", e.utf8_error())))
 }
 
 /// Loads rules from text, as if read from a file called `file_name`.
@@ -348,6 +382,39 @@ mod tests {
             errors.to_string().lines().next().unwrap(),
             errors.0[0].to_string()
         );
+    }
+
+    #[test]
+    fn what_a_directory_makes_the_loader_read_is_bounded() {
+        // A file of `len` bytes that is not UTF-8 (read, then refused without parsing;
+        // sparse, so writing it costs nothing).
+        let write = |path: &Path, len: u64| {
+            let file = fs::File::create(path).unwrap();
+            file.set_len(len).unwrap();
+            std::io::Write::write_all(&mut &file, &[0xff]).unwrap();
+        };
+        // Rows: files (count, bytes each), and the last error's message.
+        let rows: [(usize, u64, &str); 3] = [
+            (4, 15 << 20, "cannot read config file: "),
+            (5, 15 << 20, "config files together larger than 64 MiB"),
+            (10_001, 1, "more than 10000 config files"),
+        ];
+        for (count, len, message) in rows {
+            let dir = tempfile::tempdir().unwrap();
+            for i in 0..count {
+                write(&dir.path().join(format!("{i:05}.yaml")), len);
+            }
+            let errors = load(dir.path()).unwrap_err();
+            let last = errors.0.last().unwrap();
+            assert!(last.message.starts_with(message), "{count}: {last}");
+            // Past the bound nothing more is read, and the bound is said once.
+            let said = errors
+                .0
+                .iter()
+                .filter(|e| e.message == last.message)
+                .count();
+            assert!(said == 1 || count == 4, "{count}: {errors}");
+        }
     }
 
     #[test]

@@ -6,18 +6,22 @@
 //! dotfiles unless told not to); that mode exists for drop-in compatibility. Symlinks are
 //! followed, since ConfigMap files are symlinks.
 
+use std::collections::HashSet;
 use std::fs;
-use std::io;
 use std::path::{Path, PathBuf};
 
 use super::yaml::Pos;
 use super::{ConfigError, Files};
 
+/// Most files one config may have: with what each may hold (`MAX_FILE_BYTES`) and what all
+/// may hold together, what a directory can make the process read is bounded.
+const MAX_FILES: usize = 10_000;
+
 /// The files to load, sorted by path.
 pub fn config_files(path: &Path, which: Files) -> Result<Vec<PathBuf>, ConfigError> {
     let error = |message: String| ConfigError::at(&path.display().to_string(), Pos::START, message);
     let metadata = fs::metadata(path).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => error("config path does not exist".to_owned()),
+        std::io::ErrorKind::NotFound => error("config path does not exist".to_owned()),
         _ => error(format!("cannot read config path: {e}")),
     })?;
     if metadata.is_file() {
@@ -28,37 +32,57 @@ pub fn config_files(path: &Path, which: Files) -> Result<Vec<PathBuf>, ConfigErr
             "config path is neither a file nor a directory".to_owned(),
         ));
     }
-    let mut files = Vec::new();
-    collect(path, which, &mut files)
-        .map_err(|e| error(format!("cannot list config directory: {e}")))?;
-    files.sort();
-    Ok(files)
+    let mut walk = Walk::default();
+    walk.collect(path, which).map_err(error)?;
+    walk.files.sort();
+    Ok(walk.files)
 }
 
-fn collect(dir: &Path, which: Files, files: &mut Vec<PathBuf>) -> io::Result<()> {
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        let dotfile = name.starts_with('.');
-        // fs::metadata follows symlinks; a dangling one is skipped like any non-file.
-        let Ok(metadata) = fs::metadata(entry.path()) else {
-            continue;
-        };
-        match which {
-            Files::Yaml => {
-                let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
-                if is_yaml && !dotfile && metadata.is_file() {
-                    files.push(entry.path());
-                }
-            }
-            Files::Runtime { ignore_dotfiles } if dotfile && ignore_dotfiles => {}
-            Files::Runtime { .. } if metadata.is_dir() => collect(&entry.path(), which, files)?,
-            Files::Runtime { .. } if metadata.is_file() => files.push(entry.path()),
-            Files::Runtime { .. } => {}
+#[derive(Default)]
+struct Walk {
+    files: Vec<PathBuf>,
+    /// Directories read, by their canonical path. Followed symlinks can lead back to a
+    /// directory already read (a link to a parent): each is read once, or two such links
+    /// would make the paths to walk double at every level.
+    read: HashSet<PathBuf>,
+}
+
+impl Walk {
+    fn collect(&mut self, dir: &Path, which: Files) -> Result<(), String> {
+        let listing = |e: std::io::Error| format!("cannot list config directory: {e}");
+        if !self.read.insert(fs::canonicalize(dir).map_err(listing)?) {
+            return Ok(());
         }
+        for entry in fs::read_dir(dir).map_err(listing)? {
+            let entry = entry.map_err(listing)?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let dotfile = name.starts_with('.');
+            // fs::metadata follows symlinks; a dangling one is skipped like any non-file.
+            let Ok(metadata) = fs::metadata(entry.path()) else {
+                continue;
+            };
+            let wanted = match which {
+                Files::Yaml => {
+                    let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+                    is_yaml && !dotfile && metadata.is_file()
+                }
+                Files::Runtime { ignore_dotfiles } if dotfile && ignore_dotfiles => false,
+                Files::Runtime { .. } if metadata.is_dir() => {
+                    self.collect(&entry.path(), which)?;
+                    false
+                }
+                Files::Runtime { .. } => metadata.is_file(),
+            };
+            if wanted {
+                if self.files.len() == MAX_FILES {
+                    return Err(format!("more than {MAX_FILES} config files"));
+                }
+                self.files.push(entry.path());
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -115,6 +139,39 @@ mod tests {
 #[cfg(test)]
 mod runtime_tests {
     use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn links_back_to_a_directory_read_it_once() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("config");
+        fs::create_dir_all(root.join("nested")).unwrap();
+        fs::write(root.join("a.yaml"), "").unwrap();
+        fs::write(root.join("nested/b.yaml"), "").unwrap();
+        // Two links to the parent: every level of the walk would double its paths.
+        symlink("..", root.join("up")).unwrap();
+        symlink("..", root.join("nested/up")).unwrap();
+        symlink("../nested", root.join("nested/again")).unwrap();
+        // On a thread: a walk that follows the links would not end.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let walked = root.clone();
+        std::thread::spawn(move || {
+            let which = Files::Runtime {
+                ignore_dotfiles: false,
+            };
+            let _ = tx.send(config_files(&walked, which));
+        });
+        let files = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the walk ends")
+            .unwrap();
+        let names: Vec<String> = files
+            .iter()
+            .map(|p| p.strip_prefix(&root).unwrap().display().to_string())
+            .collect();
+        assert_eq!(names, ["a.yaml", "nested/b.yaml"]);
+    }
 
     #[test]
     fn the_runtime_layout_reads_every_file_at_any_depth() {
