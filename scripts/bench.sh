@@ -6,6 +6,8 @@
 #   a2. Redis coalescing A/B: 64 in flight with --redis-batch 1 and the default, then 256 and
 #      512 in flight counting errors;
 #   a3. the Redis I/O thread's scheduler slice A/B: the default and the kernel's, in turn;
+#   a4. Redis bounded and evicting (README, Redis: Memory): no maxmemory, a bound not reached,
+#      and one reached (every new counter evicts one), in turn;
 #   b. the Redis ceiling: redis-benchmark running the same FCALL of the real batch script's
 #      function (`turnstile redis-script --library`) against the same Redis, one request per
 #      call, pipelined like turnstile's multiplexed connections;
@@ -394,6 +396,30 @@ for round in 1 2 3; do
     stop "$TS_PID"
   done
 done
+
+# a4. Redis bounded and evicting, as the README asks of a Redis in production, against
+#     Redis as every other row runs it (no maxmemory): a bound of 256 MB, which 100 000
+#     counters do not reach, and one of 8 MB, which they do (past it, nearly every new
+#     counter evicts one), both volatile-lru; in turn, two rounds. Redis' evictions during
+#     each run are recorded beside it.
+start_turnstile redis
+for round in 1 2; do
+  for bound in none 256mb 8mb; do
+    case "$bound" in
+      none) rcli CONFIG SET maxmemory 0 >/dev/null ;;
+      *) rcli CONFIG SET maxmemory "$bound" maxmemory-policy volatile-lru >/dev/null ;;
+    esac
+    rcli FLUSHALL >/dev/null
+    evicted_before="$(rcli INFO stats | awk -F: '/^evicted_keys:/ {print $2+0}')"
+    load "redis_memory/$bound/$round" redis fw "$BIG"
+    evicted_after="$(rcli INFO stats | awk -F: '/^evicted_keys:/ {print $2+0}')"
+    jq -cn --arg name "redis_memory/$bound/$round/evicted" \
+      --argjson evicted "$((evicted_after - evicted_before))" \
+      '{name: $name, evicted: $evicted}' >>"$RESULTS"
+  done
+done
+rcli CONFIG SET maxmemory 0 maxmemory-policy noeviction >/dev/null
+stop "$TS_PID"
 
 # ---------------------------------------------------------------------------------------
 # b. The ceiling: the same FCALL from redis-benchmark, same Redis, same key shapes.

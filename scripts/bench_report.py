@@ -261,6 +261,22 @@ def main(argv):
                 mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
                 w("| " + " | ".join([described, cells[0], mean, *cells[1:]]) + " |")
 
+    bounds = {
+        "none": "none (as every other row)",
+        "256mb": "256 MB, volatile-lru (not reached)",
+        "8mb": "8 MB, volatile-lru (reached: evicting)",
+    }
+    evicted = {r["name"]: r["evicted"] for r in rows if r["name"].endswith("/evicted")}
+    if any(r["name"].startswith("redis_memory/") for r in rows):
+        table("Redis bounded and evicting (Redis backend, fixed window, 100 000 keys, 64 in flight; the three in turn)", "| Redis `maxmemory` | decisions/s (each round) | mean | CPU µs/decision turnstile (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors | keys Redis evicted, warm-up included (each round) |", "|---|---|---:|---|---|---|---:|---|")
+        for bound, described in bounds.items():
+            runs = [r for r in runs_under(f"redis_memory/{bound}/") if "rps" in r]
+            if runs:
+                cells = round_cells(runs, "redis", "turnstile")
+                mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
+                per = " · ".join(fmt_int(evicted.get(r["name"] + "/evicted", 0)) for r in runs)
+                w("| " + " | ".join([described, cells[0], mean, *cells[1:], per]) + " |")
+
     peer = [r for r in rows if r["name"].startswith("peer/")]
 
     def peer_rounds(backend, side, keys):
