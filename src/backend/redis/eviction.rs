@@ -26,7 +26,7 @@ use super::coalesce::io;
 use crate::metrics::Metrics;
 
 /// 1 when every master evicts once full; 0 when one refuses writes then or has no bound; not
-/// exported while no master's settings could be read.
+/// exported until a master's settings are read.
 const GAUGE: &str = "turnstile_redis_evicts_when_full";
 
 /// How often the settings are read again.
@@ -115,19 +115,19 @@ pub(super) fn watch(shared: Weak<Shared>, metrics: Arc<Metrics>) {
             let read = tokio::time::timeout(READ_TIMEOUT, shared.pool.every_master(config_get()));
             let read = read.await;
             drop(shared);
-            let masters: Vec<(String, WhenFull)> = match read {
-                Ok(Ok(replies)) => replies
+            // Redis away: the decisions say so, and nothing new is known here.
+            if let Ok(Ok(replies)) = read {
+                let masters: HashMap<String, WhenFull> = replies
                     .into_iter()
                     .map(|(master, reply)| (master, WhenFull::read(reply)))
-                    .collect(),
-                // Redis is away: the decisions say so; nothing new is known here.
-                Ok(Err(_)) | Err(_) => Vec::new(),
-            };
-            for (master, now) in masters {
-                if known.get(&master) != Some(&now) {
-                    now.log(&master);
-                    known.insert(master, now);
+                    .collect();
+                for (master, now) in &masters {
+                    if known.get(master) != Some(now) {
+                        now.log(master);
+                    }
                 }
+                // The masters of now only: one gone in a failover no longer counts.
+                known = masters;
             }
             if let Some(value) = gauge_value(known.values()) {
                 metrics.gauge(GAUGE).set(value);
