@@ -21,6 +21,10 @@ const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3_600);
 const MINUTE_US: u64 = 60_000_000;
 
+/// Rules of the tests that run the binary: domain `d`, key `k`, 5 an hour.
+const FIVE_AN_HOUR: &str =
+    "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+
 /// The algorithms that count units over time (concurrency limits have tests of their own:
 /// their hits need a lease).
 const RATE_ALGORITHMS: [Kind; 3] = [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket];
@@ -1484,9 +1488,7 @@ async fn redis_auth_applies_to_urls_without_credentials() {
 async fn a_redis_url_without_a_backend_type_means_the_redis_backend() {
     use support::turnstile::{Rules, Turnstile, descriptor, request};
     let server = RedisServer::start();
-    let rules = Rules::new(
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let rules = Rules::new(FIVE_AN_HOUR);
     let url = server.url();
     let t = Turnstile::start_with(
         &["--config", rules.path().to_str().unwrap()],
@@ -1526,9 +1528,7 @@ async fn the_reference_redis_variables_reach_the_redis_they_name() {
         0,
         &format!("{}tls-cluster yes\n", cluster_pki.redis_config()),
     );
-    let rules = Rules::new(
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let rules = Rules::new(FIVE_AN_HOUR);
     // (what, environment, a plain URL of the server that must hold the count)
     type Row<'a> = (&'a str, Vec<(&'a str, String)>, Vec<String>);
     let rows: [Row<'_>; 4] = [
@@ -1598,9 +1598,7 @@ async fn a_redis_unreachable_at_start_up_is_connected_when_it_comes_up() {
     use support::turnstile::{Rules, Turnstile, descriptor, request};
     let mut server = RedisServer::start();
     server.stop();
-    let rules = Rules::new(
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let rules = Rules::new(FIVE_AN_HOUR);
     let url = server.url();
     let t = Turnstile::start_unhealthy(
         &[
@@ -1656,9 +1654,7 @@ async fn sigterm_drains_calls_in_flight_and_reports_not_serving() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let server = RedisServer::start();
-    let rules = Rules::new(
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let rules = Rules::new(FIVE_AN_HOUR);
     let url = server.url();
     let mut t = Turnstile::start(
         rules.path(),
@@ -1750,9 +1746,7 @@ async fn evicts_when_full(t: &support::turnstile::Turnstile) -> Option<f64> {
 async fn every_cluster_master_is_asked_what_it_does_once_full() {
     use support::turnstile::{Rules, Turnstile};
     let cluster = RedisCluster::shared();
-    let rules = Rules::new(
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let rules = Rules::new(FIVE_AN_HOUR);
     let urls = cluster.urls().join(",");
     let args = [
         "--redis-url",
