@@ -248,6 +248,14 @@ def main(argv):
             cells = [backend, described, build, *round_cells(runs, backend, "turnstile")]
             w("| " + " | ".join(cells) + " |")
 
+    def in_turn_row(described, runs, *extra):
+        """A row of a Redis A/B run in turn: its rounds' cells with their mean decisions/s
+        after the first, then `extra` cells; nothing without runs."""
+        if runs:
+            cells = round_cells(runs, "redis", "turnstile")
+            mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
+            w("| " + " | ".join([described, cells[0], mean, *cells[1:], *extra]) + " |")
+
     slices = {
         "default": "100 µs (default)",
         "kernel": "the kernel's (`--redis-io-slice 0`)",
@@ -255,11 +263,7 @@ def main(argv):
     if any(r["name"].startswith("io_slice/") for r in rows):
         table("The Redis I/O thread's scheduler slice, A/B in this run (Redis backend, fixed window, 100 000 keys, 64 in flight, sharing the cores; the two in turn)", "| I/O thread's slice | decisions/s (each round) | mean | CPU µs/decision turnstile (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors |", "|---|---|---:|---|---|---|---:|")
         for slice, described in slices.items():
-            runs = runs_under(f"io_slice/{slice}/")
-            if runs:
-                cells = round_cells(runs, "redis", "turnstile")
-                mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
-                w("| " + " | ".join([described, cells[0], mean, *cells[1:]]) + " |")
+            in_turn_row(described, runs_under(f"io_slice/{slice}/"))
 
     bounds = {
         "none": "none (as every other row)",
@@ -271,11 +275,8 @@ def main(argv):
         table("Redis bounded and evicting (Redis backend, fixed window, 100 000 keys, 64 in flight; the three in turn)", "| Redis `maxmemory` | decisions/s (each round) | mean | CPU µs/decision turnstile (each round) | Redis CPU µs/decision (each round) | p99 ms (each round) | errors | keys Redis evicted, warm-up included (each round) |", "|---|---|---:|---|---|---|---:|---|")
         for bound, described in bounds.items():
             runs = [r for r in runs_under(f"redis_memory/{bound}/") if "rps" in r]
-            if runs:
-                cells = round_cells(runs, "redis", "turnstile")
-                mean = fmt_int(sum(r["rps"] for r in runs) / len(runs))
-                per = " · ".join(fmt_int(evicted.get(r["name"] + "/evicted", 0)) for r in runs)
-                w("| " + " | ".join([described, cells[0], mean, *cells[1:], per]) + " |")
+            per = " · ".join(fmt_int(evicted.get(r["name"] + "/evicted", 0)) for r in runs)
+            in_turn_row(described, runs, per)
 
     peer = [r for r in rows if r["name"].startswith("peer/")]
 
