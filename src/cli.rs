@@ -587,6 +587,11 @@ pub struct ServeArgs {
     /// past it, new buckets get DENY_ALL.
     #[arg(long, env = "TURNSTILE_RLQS_MAX_BYTES", default_value_t = crate::rlqs::DEFAULT_MAX_BYTES)]
     pub rlqs_max_bytes: usize,
+    /// Bytes all RLQS streams' reports and answers may hold together, each stream counted at
+    /// its largest report and largest answer (what its buffers keep); a report or answer
+    /// past it ends its stream RESOURCE_EXHAUSTED (its Envoy opens another).
+    #[arg(long, env = "TURNSTILE_RLQS_MAX_BUFFER_BYTES", default_value_t = crate::rlqs::DEFAULT_MAX_BUFFER_BYTES)]
+    pub rlqs_max_buffer_bytes: usize,
     /// Most RLQS streams open at once, all Envoys together; one more is refused
     /// RESOURCE_EXHAUSTED (its Envoy retries).
     #[arg(long, env = "TURNSTILE_RLQS_MAX_STREAMS", default_value_t = crate::rlqs::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]

@@ -7,7 +7,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
@@ -325,6 +324,7 @@ async fn run<B: Backend>(
             on_backend_error: settings(args).on_backend_error,
             bounds: settings(args).bounds,
             max_bytes: args.rlqs_max_bytes,
+            max_buffer_bytes: args.rlqs_max_buffer_bytes,
             max_streams: args.rlqs_max_streams,
             max_streams_per_peer: args.rlqs_max_streams_per_peer,
         },
@@ -457,10 +457,7 @@ async fn run<B: Backend>(
                     )),
             )
             .add_service(health_service.clone())
-            .add_service(
-                RateLimitQuotaServiceServer::from_arc(quota.clone())
-                    .max_decoding_message_size(args.max_message_bytes),
-            );
+            .add_service(quota.server(args.max_message_bytes));
         let stopped = stopped.clone();
         let (done, served) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()

@@ -12,6 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::raw::{RawBody, framed, raw_call, raw_connection};
 use support::turnstile::{Rules, Turnstile, descriptor, nested_rules, request, signal};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -2275,95 +2276,14 @@ async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
     }
 }
 
-/// A request body as bytes on the wire: `data`, then `later` in a frame of its own, then the
-/// end of the stream, or (`stall`) nothing more, ever.
-#[derive(Default)]
-struct RawBody {
-    data: Option<bytes::Bytes>,
-    later: Option<bytes::Bytes>,
-    stall: bool,
-}
-
-impl http_body::Body for RawBody {
-    type Data = bytes::Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
-        match self.data.take().or_else(|| self.later.take()) {
-            Some(data) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
-            None if self.stall => std::task::Poll::Pending,
-            None => std::task::Poll::Ready(None),
-        }
-    }
-}
-
-/// A raw HTTP/2 connection to turnstile's gRPC port, and the task driving it.
-async fn raw_connection(
-    t: &Turnstile,
-) -> (
-    hyper::client::conn::http2::SendRequest<RawBody>,
-    tokio::task::JoinHandle<hyper::Result<()>>,
-) {
-    let tcp = tokio::net::TcpStream::connect(t.grpc).await.unwrap();
-    let (send, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    (send, tokio::spawn(connection))
-}
-
-/// Call ShouldRateLimit over `send` with `body` as it is and the caller's `grpc_timeout`; its
-/// gRPC status, from the headers (trailers-only) or the trailers.
-async fn raw_call(
-    mut send: hyper::client::conn::http2::SendRequest<RawBody>,
-    grpc_timeout: &str,
-    body: RawBody,
-) -> tonic::Status {
-    use http_body::Body as _;
-    let request = http::Request::post(
-        "http://turnstile/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-    )
-    .header("content-type", "application/grpc")
-    .header("te", "trailers")
-    .header("grpc-timeout", grpc_timeout)
-    .body(body)
-    .unwrap();
-    tokio::time::timeout(Duration::from_secs(5), async {
-        let response = send.send_request(request).await.unwrap();
-        let (parts, mut body) = response.into_parts();
-        let mut found = parts.headers;
-        while let Some(frame) =
-            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
-        {
-            if let Ok(trailers) = frame.unwrap().into_trailers() {
-                found.extend(trailers);
-            }
-        }
-        tonic::Status::from_header_map(&found).expect("a grpc-status")
-    })
-    .await
-    .expect("an answer within 5 s")
-}
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// Call ShouldRateLimit with `body` as it is, over a connection of its own.
 async fn raw_should_rate_limit(t: &Turnstile, grpc_timeout: &str, body: RawBody) -> tonic::Status {
     let (send, driver) = raw_connection(t).await;
-    let answer = raw_call(send, grpc_timeout, body).await;
+    let answer = raw_call(send, SHOULD_RATE_LIMIT, grpc_timeout, body).await;
     driver.abort();
     answer
-}
-
-/// A gRPC message's framing: the compressed flag, the length, the body.
-fn framed(flag: u8, length: usize, body: &[u8]) -> bytes::Bytes {
-    let mut data = vec![flag];
-    data.extend_from_slice(&(length as u32).to_be_bytes());
-    data.extend_from_slice(body);
-    bytes::Bytes::from(data)
 }
 
 /// Streams whose message never comes hold no place among the calls in flight: one connection
@@ -2397,7 +2317,7 @@ async fn stalled_streams_hold_no_place_among_the_calls_in_flight() {
             };
             let send = send.clone();
             tokio::spawn(async move {
-                let status = raw_call(send, "1H", body).await;
+                let status = raw_call(send, SHOULD_RATE_LIMIT, "1H", body).await;
                 (status.code(), opened.elapsed())
             })
         })

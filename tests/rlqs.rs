@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usag
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
+use support::raw::{RawBody, framed, raw_call, raw_connection};
 use support::redis::RedisServer;
 use support::turnstile::{Rules, Turnstile, free_port};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -30,6 +31,7 @@ use tonic::Streaming;
 /// Envoy 1.40 reports every 5 s, whatever the bucket's `reporting_interval` says.
 const REPORT_INTERVAL: Duration = Duration::from_secs(5);
 const ENVOY_START_TIMEOUT: Duration = Duration::from_secs(20);
+const RLQS: &str = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/envoy/rlqs.yaml");
 
 /// The limit the Envoy tests share: requests per second.
@@ -429,6 +431,17 @@ impl Stream {
     /// Report one request on each of `n` buckets {user: `tag`-i-(1 000 bytes)} of the domain
     /// `rlqs` in one report; how many buckets got each action.
     async fn report_many(&mut self, tag: &str, n: usize) -> BTreeMap<String, usize> {
+        self.try_report_many(tag, n)
+            .await
+            .expect("RLQS stream failed")
+    }
+
+    /// As `report_many`, or the stream's error.
+    async fn try_report_many(
+        &mut self,
+        tag: &str,
+        n: usize,
+    ) -> Result<BTreeMap<String, usize>, tonic::Status> {
         let padding = "x".repeat(1_000);
         let buckets = (0..n)
             .map(|i| BucketQuotaUsage {
@@ -447,14 +460,13 @@ impl Stream {
         self.reports.send(report).await.expect("send a report");
         let answer = tokio::time::timeout(Duration::from_secs(5), self.answers.message())
             .await
-            .expect("an answer in time")
-            .expect("RLQS stream failed")
+            .expect("an answer in time")?
             .expect("an answer");
         let mut answers = BTreeMap::new();
         for action in answer.bucket_action {
             *answers.entry(describe(action.bucket_action)).or_default() += 1;
         }
-        answers
+        Ok(answers)
     }
 
     /// Report `requests` on the bucket {key: value} of `domain`; the action answered, if one
@@ -700,6 +712,68 @@ async fn streams_together_track_a_bounded_number_of_buckets() {
         third.report_many("third", 400).await,
         [("tokens 100".into(), 400)].into()
     );
+}
+
+/// What all streams' reports and answers hold together is bounded too
+/// (`--rlqs-max-buffer-bytes`, 2.5 MB here). A report of 900 buckets of about 1 KB and its
+/// answer hold about 1.9 MB: a second stream's report of that size is refused
+/// RESOURCE_EXHAUSTED, while the first stream, its sizes not growing, is still answered; once
+/// Envoy ends the first, a third is answered.
+#[tokio::test]
+async fn streams_together_buffer_a_bounded_number_of_bytes() {
+    let rules = Rules::new(USERS);
+    let turnstile = Turnstile::start(rules.path(), &["--rlqs-max-buffer-bytes", "2500000"]).await;
+    let all = |n| BTreeMap::from([("tokens 100".to_owned(), n)]);
+    let mut first = Stream::open(&turnstile).await;
+    let mut second = Stream::open(&turnstile).await;
+    assert_eq!(first.report_many("first", 900).await, all(900));
+    let refused = second.try_report_many("second", 900).await.err();
+    assert_eq!(
+        refused.as_ref().map(tonic::Status::code),
+        Some(tonic::Code::ResourceExhausted),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .unwrap()
+            .message()
+            .contains("(--rlqs-max-buffer-bytes)"),
+        "the refusal names its bound"
+    );
+    assert_eq!(first.report_many("first", 900).await, all(900));
+    first.close().await;
+    let mut third = Stream::open(&turnstile).await;
+    assert_eq!(third.report_many("third", 900).await, all(900));
+}
+
+/// A report is charged once its prefix declares its length, before its bytes come (tonic sets
+/// that much aside then): a stream that only declares a report past the budget (500 000 bytes
+/// here) is refused at once, RESOURCE_EXHAUSTED; one past `--max-message-bytes` (1 MiB) is
+/// refused by tonic, OUT_OF_RANGE.
+#[tokio::test]
+async fn a_report_is_charged_from_its_prefix() {
+    let rules = Rules::new(USERS);
+    let turnstile = Turnstile::start(rules.path(), &["--rlqs-max-buffer-bytes", "500000"]).await;
+    let rows = [
+        (
+            1_000_000,
+            tonic::Code::ResourceExhausted,
+            "(--rlqs-max-buffer-bytes)",
+        ),
+        (2 << 20, tonic::Code::OutOfRange, "the limit is"),
+    ];
+    for (declared, code, says) in rows {
+        let (send, driver) = raw_connection(&turnstile).await;
+        let body = RawBody {
+            data: Some(framed(0, declared, b"")),
+            stall: true,
+            ..Default::default()
+        };
+        let status = raw_call(send, RLQS, "10S", body).await;
+        driver.abort();
+        assert_eq!(status.code(), code, "{declared}: {status:?}");
+        assert!(status.message().contains(says), "{declared}: {status:?}");
+    }
 }
 
 /// Streams open at once are bounded, in all (`--rlqs-max-streams`) and per peer address

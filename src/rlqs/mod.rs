@@ -9,6 +9,8 @@
 //! descriptor (`bucket`). The stream's bookkeeping is in `stream`.
 
 mod bucket;
+mod budget;
+mod buffers;
 mod share;
 mod store;
 mod stream;
@@ -31,6 +33,11 @@ pub const MAX_STREAM_BYTES: usize = 4 << 20;
 /// Default bound on the bytes all streams together track (`Settings::max_bytes`).
 pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 
+/// Default bound on the bytes all streams' reports and answers hold together
+/// (`Settings::max_buffer_bytes`): about twice what the tracked buckets' ids make, since a
+/// report and its answer each carry them.
+pub const DEFAULT_MAX_BUFFER_BYTES: usize = 128 << 20;
+
 /// Default bound on the streams open at once (`Settings::max_streams`).
 pub const DEFAULT_MAX_STREAMS: usize = 1_024;
 
@@ -49,10 +56,14 @@ pub struct Settings {
     /// bytes count until its reservations are gone: at once when Envoy ends it, else a TTL
     /// after it broke, while its shares still stand in the store.
     pub max_bytes: usize,
-    /// Streams open at once, all Envoys together: a stream's transport buffers and its
-    /// report and answer in the making cost memory besides what it tracks (up to a few
-    /// times the largest message each), so their number is bounded too. One more is
-    /// refused RESOURCE_EXHAUSTED, and its Envoy retries.
+    /// Bytes all streams' reports and answers hold together, counted as each stream's largest
+    /// report and largest answer (its buffers keep that size) from the moment a report's
+    /// prefix declares it: one past it ends its stream RESOURCE_EXHAUSTED, and its Envoy
+    /// opens another. A stream whose sizes do not grow needs nothing more.
+    pub max_buffer_bytes: usize,
+    /// Streams open at once, all Envoys together: each costs a little besides what it
+    /// tracks and buffers, so their number is bounded too. One more is refused
+    /// RESOURCE_EXHAUSTED, and its Envoy retries.
     pub max_streams: usize,
     /// Of those, the most one peer address may hold, so that one client cannot take them
     /// all.

@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::r#type::v3::RateLimitStrategy;
@@ -19,16 +18,21 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_resp
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
     BucketAction as Action, QuotaAssignmentAction,
 };
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::{
+    RateLimitQuotaService, RateLimitQuotaServiceServer,
+};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use futures_util::Stream;
+use prost::Message;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::bucket::{self, Target};
+use super::budget::{Budget, Charge};
+use super::buffers::Charged;
 use super::share::{blanket, proto_duration, token_bucket};
 use super::store::{Demand, MemoryShares, ShareStore};
 use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
@@ -45,9 +49,6 @@ const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
 const MIN_REPORT_SPAN: Duration = Duration::from_millis(100);
 /// What tracking one bucket costs besides its strings: map slots, `Seen`, string headers.
 const BUCKET_COST: usize = 160;
-/// Answers queued for one stream before its reports wait.
-const QUEUED_ANSWERS: usize = 4;
-
 /// Buckets the `local` failure policy tracks in this process.
 const LOCAL_MAX_BUCKETS: usize = 100_000;
 
@@ -64,7 +65,9 @@ struct Inner {
     metrics: Arc<Metrics>,
     counters: RlqsMetrics,
     /// Bytes the streams track, all together (`Settings::max_bytes`).
-    tracked: Arc<AtomicUsize>,
+    tracked: Arc<Budget>,
+    /// Bytes the streams' reports and answers hold (`Settings::max_buffer_bytes`).
+    buffers: Arc<Budget>,
     /// A place per open stream (`Settings::max_streams`).
     open: Arc<Semaphore>,
     /// Open streams by peer address (`Settings::max_streams_per_peer`).
@@ -86,11 +89,23 @@ impl QuotaService {
                 counters: RlqsMetrics::new(&metrics),
                 open: Arc::new(Semaphore::new(settings.max_streams)),
                 peers: Peers::default(),
+                tracked: Budget::new(settings.max_bytes),
+                buffers: Budget::new(settings.max_buffer_bytes),
                 settings,
                 metrics,
-                tracked: Arc::default(),
             }),
         }
+    }
+
+    /// The gRPC service, its streams' reports counted against what their buffers may hold
+    /// before tonic sets them aside; messages past `max_message` bytes are refused.
+    pub fn server(
+        self: &Arc<QuotaService>,
+        max_message: usize,
+    ) -> Charged<RateLimitQuotaServiceServer<QuotaService>> {
+        let service = RateLimitQuotaServiceServer::from_arc(self.clone())
+            .max_decoding_message_size(max_message);
+        Charged::new(service, self.inner.buffers.clone(), max_message)
     }
 }
 
@@ -133,7 +148,9 @@ impl RateLimitQuotaService for QuotaService {
                 settings.max_streams
             )));
         };
-        let (tx, rx) = mpsc::channel(QUEUED_ANSWERS);
+        // One answer waits at most: the next report is read only once the transport has
+        // taken the last answer, which it does once the one before it is sent.
+        let (tx, rx) = mpsc::channel(1);
         let held = Held {
             _place: place,
             _from_peer: from_peer,
@@ -182,7 +199,12 @@ impl Inner {
             buckets: HashMap::new(),
             bytes: 0,
         };
+        // What the answers' buffers hold: the transport's encoder keeps the largest.
+        let mut answers = Charge::new(self.buffers.clone());
         let closed_by_envoy = loop {
+            let Ok(slot) = tx.reserve().await else {
+                break false;
+            };
             let report = tokio::select! {
                 report = reports.message() => report,
                 () = tx.closed() => break false,
@@ -190,20 +212,23 @@ impl Inner {
             let answer = match report {
                 Ok(Some(report)) => self.answer(&mut state, report).await,
                 Ok(None) => break true,
-                Err(status) => {
-                    tracing::debug!(%status, "RLQS stream broke");
-                    break false;
-                }
+                Err(status) => Err(status),
             };
             match answer {
                 Ok(None) => {}
+                Ok(Some(answer)) if answers.grow_to(answer.encoded_len()) => slot.send(Ok(answer)),
                 Ok(Some(answer)) => {
-                    if tx.send(Ok(answer)).await.is_err() {
-                        break false;
-                    }
+                    slot.send(Err(Status::resource_exhausted(format!(
+                        "an answer of {} bytes would take the RLQS streams' buffers past {} \
+                         bytes (--rlqs-max-buffer-bytes)",
+                        answer.encoded_len(),
+                        self.buffers.max()
+                    ))));
+                    break false;
                 }
                 Err(status) => {
-                    let _ = tx.send(Err(status)).await;
+                    tracing::debug!(%status, "RLQS stream ended");
+                    slot.send(Err(status));
                     break false;
                 }
             }
@@ -218,29 +243,20 @@ impl Inner {
                 }
                 self.local.leave(key, seen.holder);
             }
-            self.tracked.fetch_sub(state.bytes, Ordering::Relaxed);
+            self.tracked.give_back(state.bytes);
         } else if state.bytes > 0 {
-            // Its shares stand in the store until they lapse: so do their bytes here.
-            let (tracked, ttl) = (Arc::clone(&self.tracked), self.settings.ttl);
+            // Its shares stand in the store until they lapse: so do their bytes here (the
+            // count only: the buckets themselves are freed now).
+            let (tracked, bytes, ttl) = (self.tracked.clone(), state.bytes, self.settings.ttl);
             tokio::spawn(async move {
                 tokio::time::sleep(ttl).await;
-                tracked.fetch_sub(state.bytes, Ordering::Relaxed);
+                tracked.give_back(bytes);
             });
         }
         self.counters.streams.decrement(1.0);
         // Free before the answers end (`tx`), so that Envoy's next stream finds them free.
-        drop(held);
+        drop((held, state, reports, answers));
         drop(tx);
-    }
-
-    /// Count `bytes` more among what all streams track, if they fit.
-    fn track(&self, bytes: usize) -> bool {
-        let max = self.settings.max_bytes;
-        self.tracked
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
-                (now + bytes <= max).then_some(now + bytes)
-            })
-            .is_ok()
     }
 
     /// The answer to one report: an action for every bucket it lists, unless the failure
@@ -333,7 +349,7 @@ impl Inner {
             let cost = BUCKET_COST
                 + key.len()
                 + owned.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-            if state.bytes + cost > MAX_STREAM_BYTES || !self.track(cost) {
+            if state.bytes + cost > MAX_STREAM_BYTES || !self.tracked.take(cost) {
                 // Untracked, a limited bucket cannot be given a share; nor let through.
                 return Some(self.assign(blanket(BlanketRule::DenyAll)));
             }

@@ -3,6 +3,7 @@
 
 pub mod envoy;
 pub mod load;
+pub mod raw;
 pub mod redis;
 pub mod reference;
 pub mod turnstile;
