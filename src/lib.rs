@@ -8,6 +8,7 @@
 pub mod active;
 pub mod admin;
 pub mod algorithm;
+pub mod allocator;
 pub mod backend;
 pub mod bounded;
 pub mod cli;

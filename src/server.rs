@@ -470,6 +470,7 @@ async fn run<B: Backend>(
                     .and_then(|runtime| {
                         // The handoff registers sockets with the runtime it is taken on.
                         runtime.block_on(async move {
+                            tokio::spawn(crate::allocator::give_back());
                             router
                                 .serve_with_incoming_shutdown(
                                     handoff.serve_here(),
