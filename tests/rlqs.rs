@@ -533,7 +533,8 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 100}
 ";
 
-/// Redis stops answering: each failure policy's answer to the next report.
+/// Redis stops answering: each failure policy's answer to the next report; once Redis is
+/// back, the same stream gets a share again.
 #[tokio::test]
 async fn a_lost_redis_is_answered_by_the_failure_policy() {
     let rules = Rules::new(CLIENT_RULES);
@@ -563,6 +564,9 @@ async fn a_lost_redis_is_answered_by_the_failure_policy() {
         assert_eq!(stream.share(10).await, "tokens 100", "{policy}");
         redis.stop();
         assert_eq!(describe(stream.report(10).await), expected, "{policy}");
+        // Unanswered or not, the stream still reads its reports: Redis back, a share again.
+        redis.restart();
+        assert_eq!(stream.share(10).await, "tokens 100", "{policy}, Redis back");
     }
 }
 

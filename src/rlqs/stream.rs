@@ -27,7 +27,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 };
 use futures_util::Stream;
 use prost::Message;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::bucket::{self, Target};
@@ -148,16 +148,23 @@ impl RateLimitQuotaService for QuotaService {
                 settings.max_streams
             )));
         };
-        // One answer waits at most: the next report is read only once the transport has
-        // taken the last answer, which it does once the one before it is sent.
+        // The transport asks for the next answer only once the last has gone out to the
+        // client (`asked`), and a report is read only once its answer is asked for: a client
+        // that does not read its answers holds one, not a queue.
         let (tx, rx) = mpsc::channel(1);
+        let asked = Arc::new(Semaphore::new(0));
         let held = Held {
             _place: place,
             _from_peer: from_peer,
         };
-        tokio::spawn(self.inner.clone().serve(request.into_inner(), tx, held));
-        let answers = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|answer| (answer, rx))
+        let outbox = Outbox {
+            tx,
+            asked: asked.clone(),
+        };
+        tokio::spawn(self.inner.clone().serve(request.into_inner(), outbox, held));
+        let answers = futures_util::stream::unfold((rx, asked), |(mut rx, asked)| async move {
+            asked.add_permits(1);
+            rx.recv().await.map(|answer| (answer, (rx, asked)))
         });
         Ok(Response::new(Box::pin(answers)))
     }
@@ -167,6 +174,13 @@ impl RateLimitQuotaService for QuotaService {
 struct Held {
     _place: OwnedSemaphorePermit,
     _from_peer: Option<FromPeer>,
+}
+
+/// Where a stream's answers go: to the transport, each once it has asked for it.
+struct Outbox {
+    tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    /// A permit each time the transport asks for the next answer.
+    asked: Arc<Semaphore>,
 }
 
 /// One limited bucket as the stream knows it.
@@ -190,7 +204,7 @@ impl Inner {
     async fn serve(
         self: Arc<Self>,
         mut reports: Streaming<RateLimitQuotaUsageReports>,
-        tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+        outbox: Outbox,
         held: Held,
     ) {
         self.counters.streams.increment(1.0);
@@ -202,35 +216,42 @@ impl Inner {
         // What the answers' buffers hold: the transport's encoder keeps the largest.
         let mut answers = Charge::new(self.buffers.clone());
         let closed_by_envoy = loop {
-            let Ok(slot) = tx.reserve().await else {
-                break false;
-            };
+            tokio::select! {
+                asked = outbox.asked.acquire() => asked.map_or((), SemaphorePermit::forget),
+                () = outbox.tx.closed() => break false,
+            }
             let report = tokio::select! {
                 report = reports.message() => report,
-                () = tx.closed() => break false,
+                () = outbox.tx.closed() => break false,
             };
             let answer = match report {
                 Ok(Some(report)) => self.answer(&mut state, report).await,
                 Ok(None) => break true,
                 Err(status) => Err(status),
             };
-            match answer {
-                Ok(None) => {}
-                Ok(Some(answer)) if answers.grow_to(answer.encoded_len()) => slot.send(Ok(answer)),
+            let (answer, last) = match answer {
+                Ok(None) => {
+                    // Nothing sent: the transport's ask stands for the next answer.
+                    outbox.asked.add_permits(1);
+                    continue;
+                }
+                Ok(Some(answer)) if answers.grow_to(answer.encoded_len()) => (Ok(answer), false),
                 Ok(Some(answer)) => {
-                    slot.send(Err(Status::resource_exhausted(format!(
+                    let status = Status::resource_exhausted(format!(
                         "an answer of {} bytes would take the RLQS streams' buffers past {} \
                          bytes (--rlqs-max-buffer-bytes)",
                         answer.encoded_len(),
                         self.buffers.max()
-                    ))));
-                    break false;
+                    ));
+                    (Err(status), true)
                 }
                 Err(status) => {
                     tracing::debug!(%status, "RLQS stream ended");
-                    slot.send(Err(status));
-                    break false;
+                    (Err(status), true)
                 }
+            };
+            if outbox.tx.send(answer).await.is_err() || last {
+                break false;
             }
         };
         if closed_by_envoy {
@@ -256,7 +277,7 @@ impl Inner {
         self.counters.streams.decrement(1.0);
         // Free before the answers end (`tx`), so that Envoy's next stream finds them free.
         drop((held, state, reports, answers));
-        drop(tx);
+        drop(outbox);
     }
 
     /// The answer to one report: an action for every bucket it lists, unless the failure
