@@ -17,6 +17,8 @@
 #      spinning alone on each CPU, timing the gaps in its run;
 #   d. Redis bytes per limit for each algorithm at 100 000 keys, and turnstile's RSS at
 #      100 000 live keys on the memory backend;
+#   d2. RLQS streams that never read their answers: turnstile's RSS at the peak and after
+#      (this build and the BENCH_BASELINE builds that serve RLQS, in turn);
 #   e. rule matching cost on a 10 000-rule set (criterion, benches/matcher.rs);
 #   f. before/after: with BENCH_BASELINE=<turnstile binaries built from earlier commits, as
 #      LABEL=PATH, comma-separated> (a bare PATH is labelled "baseline"; the label "issue"
@@ -49,7 +51,7 @@ for arg in "$@"; do
     --quick) QUICK=1 ;;
     --profile) PROFILE=1 ;;
     --update-doc) UPDATE_DOC=1 ;;
-    -h | --help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -169,6 +171,13 @@ descriptors:
   - key: tbh
     rate_limit: {unit: hour, requests_per_unit: 1, burst: 10, algorithm: token_bucket}
 EOF
+# RLQS buckets (section d2): each `user` id its own limited bucket.
+cat >"$RULES/rlqs.yaml" <<'EOF'
+domain: rlqs
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 100}
+EOF
 "$BIN" check --config "$RULES" >/dev/null
 # The batch script's call for the ceiling (SPEC, evalsha_args) and the algorithms of
 # its rules fw, sw and tb (CALL_ALGO), shared with script_cost.sh.
@@ -249,6 +258,7 @@ start_turnstile() {
     --backend "$backend" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-level warn "$@" \
     >>"$OUT/turnstile.log" 2>&1 &
   TS_PID=$!
+  TS_HTTP="$http"
   PIDS+=("$TS_PID")
   await_healthy "http://$http/healthcheck" "turnstile ($backend)" "$OUT/turnstile.log"
 }
@@ -517,6 +527,55 @@ for rule in fwh swh tbh; do
     tee -a "$RESULTS" |
     jq -r '"  \(.name): RSS \(.rss_before_kb) -> \(.rss_after_kb) kB, \(.bytes_per_key) B/key"' >&2
   stop "$TS_PID"
+done
+
+# ---------------------------------------------------------------------------------------
+# d2. RLQS streams whose client never reads its answers (memory backend): each of this
+#     build and the BENCH_BASELINE builds that serve RLQS, in turn, takes a flood of streams
+#     sending reports of about 1 MB (3 500 buckets); turnstile's RSS before, at its peak
+#     (read every 0.1 s), and 3 s after the streams close, and the reports it answered. All
+#     streams come from one address, so the per-peer cap is raised to the global one.
+#     (BENCH_BASELINE is read again in section f.)
+declare -A FLOOD_BUILD=([current]="$BIN")
+flood_sides=(current)
+IFS=, read -ra flood_baselines <<<"${BENCH_BASELINE:-}"
+for baseline in "${flood_baselines[@]}"; do
+  label=baseline path="$baseline"
+  [[ "$baseline" == *=* ]] && label="${baseline%%=*}" path="${baseline#*=}"
+  "$path" serve --help | grep -q -- --rlqs-max-streams-per-peer || continue
+  FLOOD_BUILD[$label]="$path"
+  flood_sides+=("$label")
+done
+for flood in "1024 1" "120 6"; do
+  read -r streams reports <<<"$flood"
+  for side in "${flood_sides[@]}"; do
+    log "RLQS flood: $streams streams of $reports reports, $side"
+    TS_BIN="${FLOOD_BUILD[$side]}" start_turnstile memory --rlqs-max-streams-per-peer 1024
+    before="$(rss_kb "$TS_PID")"
+    "$PWD/target/release/turnstile-rlqs-flood" --target "$GRPC" --streams "$streams" \
+      --reports "$reports" --hold 2s >"$TMP/flood.json" &
+    flood_pid=$!
+    PIDS+=("$flood_pid")
+    peak="$before"
+    while kill -0 "$flood_pid" 2>/dev/null; do
+      now="$(rss_kb "$TS_PID")"
+      [ "$now" -gt "$peak" ] && peak="$now"
+      sleep 0.1
+    done
+    stop "$flood_pid"
+    sleep 3
+    after="$(rss_kb "$TS_PID")"
+    answered="$(curl -fsS "http://$TS_HTTP/metrics" |
+      awk '/^turnstile_rlqs_bucket_reports / {print int($2 / 3500)}')"
+    jq -c --arg name "rlqs_flood/$streams/$reports/$side" --arg build "$side" \
+      --argjson reports "$reports" --argjson before "$before" --argjson peak "$peak" \
+      --argjson after "$after" --argjson answered "${answered:-0}" \
+      '{name: $name, build: $build, streams: .streams, opened: .opened, reports: $reports,
+        rss_before_kb: $before, rss_peak_kb: $peak, rss_after_kb: $after,
+        reports_answered: $answered}' "$TMP/flood.json" | tee -a "$RESULTS" |
+      jq -r '"  \(.name): RSS \(.rss_before_kb) -> peak \(.rss_peak_kb) -> \(.rss_after_kb) kB, \(.reports_answered) reports answered"' >&2
+    stop "$TS_PID"
+  done
 done
 
 # ---------------------------------------------------------------------------------------

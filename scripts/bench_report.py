@@ -175,6 +175,20 @@ def main(argv):
         )
         w("| " + " | ".join(cells) + " |")
 
+    floods = [r for r in rows if r["name"].startswith("rlqs_flood/")]
+    if floods:
+        table(
+            "RLQS streams that never read their answers (memory backend, reports of about 1 MB: 3 500 buckets; the builds in turn)",
+            "| streams × reports each | build | streams opened | reports answered | RSS before | RSS at the peak | RSS 3 s after they closed |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        )
+        mib = lambda kb: f"{kb / 1024:.0f} MiB"
+        for r in floods:
+            w(
+                f"| {fmt_int(r['streams'])} × {r['reports']} | {r['build']} | {fmt_int(r['opened'])} | "
+                f"{fmt_int(r['reports_answered'])} | {mib(r['rss_before_kb'])} | {mib(r['rss_peak_kb'])} | {mib(r['rss_after_kb'])} |"
+            )
+
     def cpu_of(r, process):
         """µs of CPU per call of one watched process, or of all processes named process*."""
         cpu = r.get("cpu_us_per_call", {})
