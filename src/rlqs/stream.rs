@@ -49,6 +49,7 @@ const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);
 const MIN_REPORT_SPAN: Duration = Duration::from_millis(100);
 /// What tracking one bucket costs besides its strings: map slots, `Seen`, string headers.
 const BUCKET_COST: usize = 160;
+
 /// Buckets the `local` failure policy tracks in this process.
 const LOCAL_MAX_BUCKETS: usize = 100_000;
 
