@@ -535,22 +535,28 @@ done
 #     sending reports of about 1 MB (3 500 buckets); turnstile's RSS before, at its peak
 #     (read every 0.1 s), and 3 s after the streams close, and the reports it answered. All
 #     streams come from one address, so the per-peer cap is raised to the global one.
-#     (BENCH_BASELINE is read again in section f.)
-declare -A FLOOD_BUILD=([current]="$BIN")
-flood_sides=(current)
-IFS=, read -ra flood_baselines <<<"${BENCH_BASELINE:-}"
-for baseline in "${flood_baselines[@]}"; do
+# The builds: this one, and the baselines (BENCH_BASELINE, LABEL=PATH,...), which section f
+# also runs.
+declare -A BUILD=([current]="$BIN")
+sides=()
+IFS=, read -ra baselines <<<"${BENCH_BASELINE:-}"
+for baseline in "${baselines[@]}"; do
   label=baseline path="$baseline"
   [[ "$baseline" == *=* ]] && label="${baseline%%=*}" path="${baseline#*=}"
-  "$path" serve --help | grep -q -- --rlqs-max-streams-per-peer || continue
-  FLOOD_BUILD[$label]="$path"
-  flood_sides+=("$label")
+  [ -x "$path" ] || { echo "BENCH_BASELINE: $path is not an executable" >&2; exit 2; }
+  [ -z "${BUILD[$label]:-}" ] || { echo "BENCH_BASELINE: $label twice" >&2; exit 2; }
+  BUILD[$label]="$path"
+  sides+=("$label")
+done
+flood_sides=(current)
+for side in "${sides[@]}"; do
+  "${BUILD[$side]}" serve --help | grep -q -- --rlqs-max-streams-per-peer && flood_sides+=("$side")
 done
 for flood in "1024 1" "120 6"; do
   read -r streams reports <<<"$flood"
   for side in "${flood_sides[@]}"; do
     log "RLQS flood: $streams streams of $reports reports, $side"
-    TS_BIN="${FLOOD_BUILD[$side]}" start_turnstile memory --rlqs-max-streams-per-peer 1024
+    TS_BIN="${BUILD[$side]}" start_turnstile memory --rlqs-max-streams-per-peer 1024
     before="$(rss_kb "$TS_PID")"
     "$PWD/target/release/turnstile-rlqs-flood" --target "$GRPC" --streams "$streams" \
       --reports "$reports" --hold 2s >"$TMP/flood.json" &
@@ -583,17 +589,6 @@ done
 #    in the machine's load hits all alike; and, with or without baselines, the load issue 15
 #    measured and set its targets at (1 000 keys over 4 connections; the runs above use 2
 #    connections and 1 or 100 000 keys).
-declare -A BUILD=([current]="$BIN")
-sides=()
-IFS=, read -ra baselines <<<"${BENCH_BASELINE:-}"
-for baseline in "${baselines[@]}"; do
-  label=baseline path="$baseline"
-  [[ "$baseline" == *=* ]] && label="${baseline%%=*}" path="${baseline#*=}"
-  [ -x "$path" ] || { echo "BENCH_BASELINE: $path is not an executable" >&2; exit 2; }
-  [ -z "${BUILD[$label]:-}" ] || { echo "BENCH_BASELINE: $label twice" >&2; exit 2; }
-  BUILD[$label]="$path"
-  sides+=("$label")
-done
 # Each load: its runs' name, keys and connections.
 loads=("ab_issue_load 1000 4")
 [ "${#sides[@]}" -gt 0 ] && loads=("ab $BIG $CONNECTIONS" "${loads[@]}")

@@ -57,7 +57,7 @@ use crate::service::RateLimiter;
 const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
-const PREFIX: usize = 5;
+pub const PREFIX: usize = 5;
 
 /// Largest message of a light call, which never waits for a place among the costly ones.
 const LIGHT_MESSAGE_BYTES: usize = 8 << 10;

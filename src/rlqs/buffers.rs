@@ -20,9 +20,7 @@ use tonic::server::NamedService;
 use tower::Service;
 
 use super::budget::{Budget, Charge};
-
-/// A gRPC message's prefix: a compression flag, then the length (big-endian `u32`).
-const PREFIX: usize = 5;
+use crate::grpc::PREFIX;
 
 /// Where a body's length-prefixed messages stand.
 #[derive(Debug, Clone, Copy, PartialEq)]
