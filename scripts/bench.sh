@@ -552,6 +552,7 @@ flood_sides=(current)
 for side in "${sides[@]}"; do
   "${BUILD[$side]}" serve --help | grep -q -- --rlqs-max-streams-per-peer && flood_sides+=("$side")
 done
+FLOOD_BUCKETS=3500
 for flood in "1024 1" "120 6"; do
   read -r streams reports <<<"$flood"
   for side in "${flood_sides[@]}"; do
@@ -559,7 +560,7 @@ for flood in "1024 1" "120 6"; do
     TS_BIN="${BUILD[$side]}" start_turnstile memory --rlqs-max-streams-per-peer 1024
     before="$(rss_kb "$TS_PID")"
     "$PWD/target/release/turnstile-rlqs-flood" --target "$GRPC" --streams "$streams" \
-      --reports "$reports" --hold 2s >"$TMP/flood.json" &
+      --reports "$reports" --buckets "$FLOOD_BUCKETS" --hold 2s >"$TMP/flood.json" &
     flood_pid=$!
     PIDS+=("$flood_pid")
     peak="$before"
@@ -572,7 +573,7 @@ for flood in "1024 1" "120 6"; do
     sleep 3
     after="$(rss_kb "$TS_PID")"
     answered="$(curl -fsS "http://$TS_HTTP/metrics" |
-      awk '/^turnstile_rlqs_bucket_reports / {print int($2 / 3500)}')"
+      awk -v buckets="$FLOOD_BUCKETS" '/^turnstile_rlqs_bucket_reports / {print int($2 / buckets)}')"
     jq -c --arg name "rlqs_flood/$streams/$reports/$side" --arg build "$side" \
       --argjson reports "$reports" --argjson before "$before" --argjson peak "$peak" \
       --argjson after "$after" --argjson answered "${answered:-0}" \

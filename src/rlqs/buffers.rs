@@ -76,6 +76,19 @@ impl Framing {
     }
 }
 
+/// Grow a stream's charge against the buffers' budget to `bytes` (the size of `what`), or
+/// the status that ends the stream.
+pub fn hold(charge: &mut Charge, what: &str, bytes: usize) -> Result<(), Status> {
+    if charge.grow_to(bytes) {
+        return Ok(());
+    }
+    Err(Status::resource_exhausted(format!(
+        "{what} of {bytes} bytes would take the RLQS streams' buffers past {} bytes \
+         (--rlqs-max-buffer-bytes)",
+        charge.budget().max()
+    )))
+}
+
 /// A stream's request body, its messages charged as their prefixes arrive.
 struct ChargedBody {
     inner: Body,
@@ -99,12 +112,10 @@ impl http_body::Body for ChargedBody {
             && let Some(data) = data.data_ref()
         {
             let declared = this.framing.read(data);
-            if declared <= PREFIX + this.max_message && !this.charge.grow_to(declared) {
-                return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                    "a report of {declared} bytes would take the RLQS streams' buffers past \
-                     {} bytes (--rlqs-max-buffer-bytes)",
-                    this.charge.budget().max()
-                )))));
+            if declared <= PREFIX + this.max_message
+                && let Err(refused) = hold(&mut this.charge, "a report", declared)
+            {
+                return Poll::Ready(Some(Err(refused)));
             }
         }
         Poll::Ready(frame)

@@ -32,7 +32,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::bucket::{self, Target};
 use super::budget::{Budget, Charge};
-use super::buffers::Charged;
+use super::buffers::{Charged, hold};
 use super::share::{blanket, proto_duration, token_bucket};
 use super::store::{Demand, MemoryShares, ShareStore};
 use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
@@ -236,16 +236,10 @@ impl Inner {
                     outbox.asked.add_permits(1);
                     continue;
                 }
-                Ok(Some(answer)) if answers.grow_to(answer.encoded_len()) => (Ok(answer), false),
-                Ok(Some(answer)) => {
-                    let status = Status::resource_exhausted(format!(
-                        "an answer of {} bytes would take the RLQS streams' buffers past {} \
-                         bytes (--rlqs-max-buffer-bytes)",
-                        answer.encoded_len(),
-                        self.buffers.max()
-                    ));
-                    (Err(status), true)
-                }
+                Ok(Some(answer)) => match hold(&mut answers, "an answer", answer.encoded_len()) {
+                    Ok(()) => (Ok(answer), false),
+                    Err(refused) => (Err(refused), true),
+                },
                 Err(status) => {
                     tracing::debug!(%status, "RLQS stream ended");
                     (Err(status), true)
