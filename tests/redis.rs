@@ -777,7 +777,12 @@ fn what_the_library_keeps_of_calls_is_bounded() {
         }
         pipe.query::<()>(&mut connection).expect("calls");
     }
-    let charged: u64 = server.query(&["GET", &server.keys("k:*")[0]]);
+    // Calls that straddle a minute's end charge two windows' counters.
+    let charged: u64 = server
+        .keys("k:*")
+        .iter()
+        .map(|key| server.query::<u64>(&["GET", key]))
+        .sum();
     assert_eq!(
         charged,
         u64::from(calls) * u64::from(calls + 1) / 2,
