@@ -12,6 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::clock::{CALLS_SPAN, HOUR, MINUTE, clear_of_end};
 use support::raw::{RawBody, framed, raw_call, raw_connection};
 use support::turnstile::{Rules, Turnstile, descriptor, nested_rules, request, signal};
 use tonic_health::pb::HealthCheckRequest;
@@ -90,6 +91,7 @@ fn reset(status: &DescriptorStatus) -> Duration {
 #[tokio::test]
 async fn counts_down_then_refuses_with_exact_remaining_and_reset() {
     let (_rules, t) = start(&[]).await;
+    clear_of_end(MINUTE, CALLS_SPAN).await;
     let one = || request("test", vec![descriptor(&[("minute", "x")])]);
     for expected in [2, 1, 0] {
         let r = t.call(one()).await.unwrap();
@@ -206,6 +208,7 @@ async fn shadow_mode_counts_but_never_refuses() {
 #[tokio::test]
 async fn hits_addend_at_request_and_descriptor_level() {
     let (_rules, t) = start(&[]).await;
+    clear_of_end(MINUTE, CALLS_SPAN).await;
     let mut two = request("test", vec![descriptor(&[("minute", "m")])]);
     two.hits_addend = 2;
     assert_eq!(remaining(&t.call(two).await.unwrap()), [1]);
@@ -2108,6 +2111,8 @@ async fn for_the_generator(per_hour: u64) -> (Rules, Turnstile) {
 async fn the_load_generators_loops_send_each_call_once_and_count_the_answers() {
     use clap::Parser;
     let (_rules, t) = for_the_generator(400).await;
+    // Each loop's counts are of one hour's counter.
+    clear_of_end(HOUR, Duration::from_secs(60)).await;
     let target = t.grpc.to_string();
     struct Case {
         domain: &'static str,
@@ -2354,6 +2359,7 @@ async fn stalled_streams_hold_no_place_among_the_calls_in_flight() {
 async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
     use prost::Message;
     let (_rules, t) = start(&["--max-message-bytes", "4096", "--request-timeout", "500ms"]).await;
+    clear_of_end(MINUTE, CALLS_SPAN).await;
     let message = request("test", vec![descriptor(&[("minute", "framing")])]).encode_to_vec();
     let whole = |data| RawBody {
         data: Some(data),

@@ -9,8 +9,9 @@ mod support;
 
 use std::net::Ipv4Addr;
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use support::clock::{MINUTE, clear_of_end};
 use support::envoy::{self, Envoy, Reply, Upstream};
 use support::redis::RedisServer;
 use support::turnstile::{Rules, Turnstile, descriptor, request};
@@ -131,16 +132,6 @@ fn client(n: u16) -> Ipv4Addr {
     Ipv4Addr::new(127, 1, hi, lo)
 }
 
-/// Waits, if needed, so that the next `margin` does not cross a minute boundary (the
-/// example's fixed windows are epoch-aligned minutes).
-async fn clear_of_the_minute(margin: Duration) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let into = Duration::from_millis((now.as_millis() % 60_000) as u64);
-    if into + margin > Duration::from_secs(60) {
-        tokio::time::sleep(Duration::from_secs(60) - into + Duration::from_millis(50)).await;
-    }
-}
-
 fn number(reply: &Reply, header: &str) -> u64 {
     reply
         .header(header)
@@ -163,7 +154,7 @@ async fn the_readme_demo_and_every_route_of_the_example() {
     let binary = envoy_or_skip!("the_readme_demo_and_every_route_of_the_example");
     let top = Topology::start(&binary, "envoy.yaml", &[]).await;
     let mut tally = Tally::default();
-    clear_of_the_minute(Duration::from_secs(10)).await;
+    clear_of_end(MINUTE, Duration::from_secs(10)).await;
 
     // The README's promise: 3 a minute on /demo across both instances, with its headers.
     let mut demo = Vec::new();

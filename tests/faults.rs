@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::clock::{HOUR, clear_of_end};
 use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
 use support::redis::{RedisCluster, RedisServer};
 use support::turnstile::{Rules, Turnstile, descriptor, request};
@@ -62,6 +63,8 @@ const SMALL_LIMIT: u32 = 50;
 /// Admissions on `small` before the fault.
 const PRE_CHARGE: u32 = 20;
 const SHARED_LIMIT: u32 = 400;
+/// Longer than a fault's exercise runs, load and recovery included (the load stops at 30 s).
+const EXERCISE_SPAN: Duration = Duration::from_secs(60);
 const LOCAL_SHARE: &str = "0.25";
 
 /// The Redis call timeout of the instances. 50 ms is too tight for this test machine (2 cores,
@@ -372,6 +375,8 @@ fn probes_within(outage: Duration) -> usize {
 /// Run `fault` under load on `scenario` and check everything the module promises.
 async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Report {
     let name = expect.label;
+    // From the pre-charge to the counts after recovery, `small`'s hour must not end.
+    clear_of_end(HOUR, EXERCISE_SPAN).await;
 
     // Before: `small` charged PRE_CHARGE times, from Redis, with exact counts.
     let answers = scenario.small(PRE_CHARGE).await;
@@ -880,6 +885,8 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
     let store = Store::Single(RedisServer::start());
     let mut scenario = Scenario::start_with(store, &[Policy::Local; 4], "200ms").await;
     let shared = request("faults", vec![descriptor(&[("shared", "all")])]);
+    // The counts before, during and after the freeze are all `shared`'s one hour.
+    clear_of_end(HOUR, EXERCISE_SPAN).await;
     let mut targets = Vec::new();
     for _ in 0..2 {
         for (id, t) in scenario.instances.iter().enumerate() {

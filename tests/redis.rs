@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::cluster_routing::Slot;
+use support::clock::{CALLS_SPAN, HOUR, MINUTE, clear_of_end};
 use support::redis::{RedisCluster, RedisServer};
 use tokio::time::sleep;
 use turnstile::backend::Backend;
@@ -18,7 +19,6 @@ use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
 use turnstile::limit::{Kind, Limit, Unit};
 
 const SEC: Duration = Duration::from_secs(1);
-const HOUR: Duration = Duration::from_secs(3_600);
 const MINUTE_US: u64 = 60_000_000;
 
 /// Rules of the tests that run the binary: domain `d`, key `k`, 5 an hour.
@@ -108,15 +108,6 @@ fn now_us() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_micros() as u64
-}
-
-/// Wait out the end of the current `window` if it is less than `margin` away, so a sequence
-/// that must stay in one window does.
-async fn away_from_boundary(window: Duration, margin: Duration) {
-    let left = us(window) - now_us() % us(window);
-    if left < us(margin) {
-        sleep(Duration::from_micros(left) + Duration::from_millis(10)).await;
-    }
 }
 
 /// Every key under `pattern` with its content, to prove a step wrote nothing.
@@ -217,7 +208,7 @@ async fn fixed_window_script(backend: &impl Backend) -> Vec<Outcome> {
 
 #[tokio::test]
 async fn cluster_single_and_memory_give_the_same_fixed_window_answers() {
-    away_from_boundary(HOUR, 5 * SEC).await;
+    clear_of_end(HOUR, 5 * SEC).await;
     let cluster = RedisCluster::shared();
     let server = RedisServer::start();
     let memory = fixed_window_script(&MemoryBackend::new(
@@ -489,6 +480,7 @@ async fn costs_above_one_count_and_zero_costs_only_read() {
     let server = RedisServer::start();
     let b = single(&server, "hz:").await;
     for algorithm in RATE_ALGORITHMS {
+        clear_of_end(MINUTE, CALLS_SPAN).await;
         let pattern = format!("hz:{{{algorithm}}}*");
         let k = |hits| hit(algorithm.name(), limit(algorithm, 5, Unit::Minute), hits);
         let read = one(&b, &k(0)).await;
@@ -519,6 +511,7 @@ async fn costs_above_one_count_and_zero_costs_only_read() {
 /// charges the wide one only under per-descriptor charging.
 async fn refusal_charges_per_charging_mode(b: &RedisBackend, names: impl Fn(Kind) -> Vec<String>) {
     for algorithm in RATE_ALGORITHMS {
+        clear_of_end(MINUTE, CALLS_SPAN).await;
         let names = names(algorithm);
         let wide = hit(&names[0], limit(algorithm, 10, Unit::Minute), 1);
         let narrow = hit(&names[1], limit(algorithm, 1, Unit::Minute), 1);
@@ -566,6 +559,7 @@ async fn a_refused_request_charges_according_to_the_charging_mode() {
 async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
     let cluster = RedisCluster::shared();
     let b = clustered(&cluster, "xr:").await;
+    clear_of_end(MINUTE, CALLS_SPAN).await;
     let key = |name: &str| format!("xr:{{{name}}}");
     // a, z and c share a slot, so they share a call (as its hits 1, 2, 3), and z costs
     // nothing: its refund must still hold c's place, which names c's log entry. b and d live
@@ -630,7 +624,7 @@ async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
 
 /// Requests on 3 limits of each algorithm, all in one fixed window.
 async fn mixed_run(b: &RedisBackend) {
-    away_from_boundary(HOUR, 5 * SEC).await;
+    clear_of_end(HOUR, 5 * SEC).await;
     for n in 0..5 {
         for algorithm in RATE_ALGORITHMS {
             let hits: Vec<Hit> = (0..3)
@@ -854,7 +848,7 @@ async fn fixed_window_counters_expire_spread_after_their_window() {
         (Unit::Hour, 60_000),
     ] {
         let window_ms = unit.seconds() * 1000;
-        away_from_boundary(Duration::from_millis(window_ms), Duration::from_millis(500)).await;
+        clear_of_end(Duration::from_millis(window_ms), Duration::from_millis(500)).await;
         // The window the counters are made in: half a second is ample to make them all.
         let window_end = (now_us() / 1000 / window_ms + 1) * window_ms;
         let hits: Vec<Hit> = (0..COUNTERS)
@@ -1040,6 +1034,7 @@ async fn a_server_without_functions_runs_the_script_by_hash() {
         let server = RedisServer::start_with(&format!("rename-command {missing} \"\""));
         let b = single(&server, "nf:").await;
         let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Minute), 1);
+        clear_of_end(MINUTE, CALLS_SPAN).await;
         for n in 0..3 {
             assert_eq!(one(&b, &k).await.remaining, 9 - n, "without {missing}");
         }
@@ -1087,7 +1082,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
     let cluster = RedisCluster::shared();
     let single = single(&server, "late:").await;
     let clustered = clustered(&cluster, "late:").await;
-    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(5)).await;
     for algorithm in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
         let l = limit(algorithm, 10, Unit::Hour);
         let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
@@ -1247,6 +1242,8 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
     .await
     .expect("connect through the sentinel");
     let k = hit("k", limit(Kind::FixedWindow, 100, Unit::Hour), 1);
+    // One hour's counter is followed from the first call through the failover (at most 16 s).
+    clear_of_end(HOUR, 30 * SEC).await;
     assert_eq!(one(&b, &k).await.remaining, 99);
     let state = db_state(&master, 2);
     assert_eq!(state.len(), 1, "state lives on the master, in database 2");
@@ -1304,7 +1301,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     let cache = OverLimitCache::new(single(&server, "").await, 1_000, metrics.clone());
     let one_per_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let hot = hit("hot", one_per_hour, 1);
-    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(5)).await;
     assert!(one(&cache, &hot).await.admitted);
     let refused = one(&cache, &hot).await;
     assert!(!refused.admitted, "Redis refuses the second hit");
@@ -1931,7 +1928,7 @@ async fn the_reference_key_layout_shares_fixed_window_counters_with_the_referenc
     let rules = Rules::new(
         "domain: rl\ndescriptors:\n  - key: k\n    value: v\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 10}\n",
     );
-    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(10)).await;
     // What the reference writes after three hits this hour: INCRBY + EXPIRE on
     // <prefix><domain>_<key>_<value>_..._<window start>.
     let time: Vec<String> = server.query(&["TIME"]);
@@ -2080,7 +2077,7 @@ async fn a_sharded_limit_spreads_one_hot_key_over_cluster_nodes_and_never_exceed
         ],
     )
     .await;
-    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(10)).await;
     let mut client = t.client().await;
     let mut admitted = 0;
     for _ in 0..400 {
@@ -2194,7 +2191,7 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
     for t in &instances {
         clients.push(t.client().await);
     }
-    away_from_boundary(Duration::from_secs(3_600), Duration::from_secs(15)).await;
+    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(15)).await;
     for key in ["fixed", "bucket"] {
         let calls_before = server.script_calls();
         let mut admitted = 0;
@@ -2233,7 +2230,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     let b = over_connections(&server, 1, "co:").await;
     let one_an_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
-    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(one(&b, &hit("full", one_an_hour, 1)).await.admitted);
 
     let calls_before = server.script_calls();
@@ -2299,7 +2296,7 @@ async fn requests_a_serving_thread_runs_together_share_one_call() {
     let server = RedisServer::start();
     let b = over_connections(&server, 2, "burst:").await;
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
-    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
 
     let calls_before = server.script_calls();
@@ -2343,7 +2340,7 @@ async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     .await
     .unwrap();
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
-    away_from_boundary(HOUR, Duration::from_secs(10)).await;
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
     let send = |hits: Vec<Hit>| {
         let b = b.clone();

@@ -8,9 +8,10 @@
 
 mod support;
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use support::clock::{HOUR, clear_of_end};
 use support::load::{self, Answer, Load, Sample, Spec, Target};
 use support::redis::{RedisCluster, RedisServer};
 use support::turnstile::{Rules, Turnstile, descriptor, request};
@@ -100,18 +101,6 @@ fn one(key: &str, value: &str) -> RateLimitRequest {
     request("system", vec![descriptor(&[(key, value)])])
 }
 
-/// If the current hour ends within `margin`, wait until it has, so an hourly window holds the
-/// whole run (Redis and the test share the machine's clock).
-async fn clear_of_the_hour(margin: Duration) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let into_hour = Duration::from_secs(now.as_secs() % 3_600)
-        + Duration::from_nanos(now.subsec_nanos().into());
-    let left = Duration::from_secs(3_600) - into_hour;
-    if left < margin {
-        tokio::time::sleep(left + Duration::from_secs(1)).await;
-    }
-}
-
 fn errors(samples: &[Sample]) -> Vec<&Sample> {
     samples.iter().filter(|s| s.answer.failed()).collect()
 }
@@ -149,7 +138,7 @@ fn calls_per_second(samples: &[Sample]) -> f64 {
 /// Fixed window, one hourly window, demand 3L: exactly L admitted, and every admission got a
 /// distinct `limit_remaining` (L-1 down to 0), which only one shared, atomic count gives.
 async fn fixed_window(instances: &[Turnstile], topology: &str) -> f64 {
-    clear_of_the_hour(Duration::from_secs(20)).await;
+    clear_of_end(HOUR, Duration::from_secs(20)).await;
     let limit = FIXED_LIMIT as usize;
     let mut spec = Spec::new(targets(instances, &one("fixed", topology)).await, STREAMS);
     spec.max_calls = 3 * limit;
@@ -328,7 +317,7 @@ async fn four_instances_on_a_redis_cluster_hold_every_limit_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_on_the_memory_backend_admit_the_limit_each() {
     let _serial = load::serial().await;
-    clear_of_the_hour(Duration::from_secs(20)).await;
+    clear_of_end(HOUR, Duration::from_secs(20)).await;
     let rules = Rules::new(RULES);
     let instances = fleet(&rules, Vec::new()).await;
     let limit = FIXED_LIMIT as usize;
@@ -363,7 +352,7 @@ async fn four_instances_on_the_memory_backend_admit_the_limit_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_instance_continues_the_counts_from_redis() {
     let _serial = load::serial().await;
-    clear_of_the_hour(Duration::from_secs(20)).await;
+    clear_of_end(HOUR, Duration::from_secs(20)).await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
     let mut instances = fleet(&rules, redis_args(&redis.url(), "single")).await;

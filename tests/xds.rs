@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::google::protobuf::{Any, UInt64Value};
 use futures_util::Stream;
 use prost::Message;
+use support::clock::{HOUR, clear_of_end};
 use support::redis::RedisServer;
 use support::turnstile::{Turnstile, descriptor, request, signal};
 use tokio::sync::{mpsc, watch};
@@ -443,6 +444,8 @@ async fn the_last_good_rules_outlive_the_control_plane_and_its_restart() {
     pusher.await.unwrap();
     assert!(!plane.requests().is_empty());
     wait_for_limit(&t, "d1", Some(3)).await;
+    // `d1`'s counter is followed through the restart (seconds): one hour's.
+    clear_of_end(HOUR, Duration::from_secs(20)).await;
     assert_eq!(hit(&t, "d1", 1).await, (Some(3), 2));
     // SIGHUP reloads files; with xDS it must change nothing (its default action is exit).
     signal(t.pid(), "HUP");
