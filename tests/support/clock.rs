@@ -13,22 +13,15 @@ pub const CALLS_SPAN: Duration = Duration::from_secs(2);
 /// How far past an end the wait goes, so the run starts clearly inside the next window.
 const PAST_THE_END: Duration = Duration::from_millis(50);
 
-/// How long to wait so that the next `margin` holds no end of `window`: nothing if it holds
-/// none, else until just past the coming one. For tests that cannot await.
-pub fn wait_clear_of_end(window: Duration, margin: Duration) -> Duration {
+/// Wait, if needed, so that the next `margin` holds no end of `window`: until just past the
+/// coming end if it falls within `margin`.
+pub async fn clear_of_end(window: Duration, margin: Duration) {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("the clock is past 1970");
     let window_ns = window.as_nanos();
     let left = Duration::from_nanos((window_ns - now.as_nanos() % window_ns) as u64);
     if left < margin {
-        left + PAST_THE_END
-    } else {
-        Duration::ZERO
+        tokio::time::sleep(left + PAST_THE_END).await;
     }
-}
-
-/// Wait, if needed, so that the next `margin` holds no end of `window`.
-pub async fn clear_of_end(window: Duration, margin: Duration) {
-    tokio::time::sleep(wait_clear_of_end(window, margin)).await;
 }
