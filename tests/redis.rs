@@ -1082,7 +1082,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
     let cluster = RedisCluster::shared();
     let single = single(&server, "late:").await;
     let clustered = clustered(&cluster, "late:").await;
-    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    clear_of_end(HOUR, Duration::from_secs(5)).await;
     for algorithm in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
         let l = limit(algorithm, 10, Unit::Hour);
         let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
@@ -1301,7 +1301,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     let cache = OverLimitCache::new(single(&server, "").await, 1_000, metrics.clone());
     let one_per_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let hot = hit("hot", one_per_hour, 1);
-    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(5)).await;
+    clear_of_end(HOUR, Duration::from_secs(5)).await;
     assert!(one(&cache, &hot).await.admitted);
     let refused = one(&cache, &hot).await;
     assert!(!refused.admitted, "Redis refuses the second hit");
@@ -1928,7 +1928,7 @@ async fn the_reference_key_layout_shares_fixed_window_counters_with_the_referenc
     let rules = Rules::new(
         "domain: rl\ndescriptors:\n  - key: k\n    value: v\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 10}\n",
     );
-    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
     // What the reference writes after three hits this hour: INCRBY + EXPIRE on
     // <prefix><domain>_<key>_<value>_..._<window start>.
     let time: Vec<String> = server.query(&["TIME"]);
@@ -2077,7 +2077,7 @@ async fn a_sharded_limit_spreads_one_hot_key_over_cluster_nodes_and_never_exceed
         ],
     )
     .await;
-    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(10)).await;
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
     let mut client = t.client().await;
     let mut admitted = 0;
     for _ in 0..400 {
@@ -2191,7 +2191,7 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
     for t in &instances {
         clients.push(t.client().await);
     }
-    clear_of_end(Duration::from_secs(3_600), Duration::from_secs(15)).await;
+    clear_of_end(HOUR, Duration::from_secs(15)).await;
     for key in ["fixed", "bucket"] {
         let calls_before = server.script_calls();
         let mut admitted = 0;
