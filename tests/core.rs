@@ -2209,20 +2209,22 @@ async fn the_load_generators_loops_send_each_call_once_and_count_the_answers() {
 
 /// The load generator tells the calls that a stalled service kept waiting for a place among
 /// those in flight from the ones it released late itself. An open loop at 400/s with 4 in
-/// flight, stalled for 250 ms: with turnstile stopped (SIGSTOP), about 100 calls fall due
+/// flight, stalled for 500 ms: with turnstile stopped (SIGSTOP), about 200 calls fall due
 /// while every place is taken, released on time; with the generator's own thread blocked
-/// (this test's runtime has one), about 100 are released late. Either way every call is
-/// answered.
+/// (this test's runtime has one), about 200 are released late. Either way every call is
+/// answered. A busy host makes the generator late now and then by itself (85 calls of 400
+/// in one CI run, beside the other tests): the stall is long enough to stand out of that, and
+/// its calls must outnumber the others.
 #[tokio::test]
 async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
     use clap::Parser;
     let (_rules, t) = for_the_generator(1_000_000).await;
     let target = t.grpc.to_string();
-    let stall = Duration::from_millis(250);
-    // What stalls; then the calls released late, and those released on time that waited.
-    let rows: [(&str, std::ops::Range<u64>, std::ops::Range<u64>); 2] =
-        [("service", 0..60, 90..400), ("generator", 90..400, 0..60)];
-    for (stalled, released_late, waited_for_place) in rows {
+    let stall = Duration::from_millis(500);
+    // What stalls, and whether the calls that fall due meanwhile are released late (else
+    // released on time, to wait for a place).
+    let rows = [("service", false), ("generator", true)];
+    for (stalled, stall_releases_late) in rows {
         let args = turnstile_bench::Cli::parse_from([
             "turnstile-bench",
             "--target",
@@ -2267,9 +2269,13 @@ async fn the_open_loop_tells_a_stalled_service_from_its_own_lateness() {
             (400, 400, 0, 0),
             "{stalled}: {text}"
         );
+        let (by_the_stall, other) = if stall_releases_late {
+            (report.released_late, report.waited_for_place)
+        } else {
+            (report.waited_for_place, report.released_late)
+        };
         assert!(
-            released_late.contains(&report.released_late)
-                && waited_for_place.contains(&report.waited_for_place),
+            by_the_stall >= 150 && other < by_the_stall,
             "{stalled}: {text}"
         );
     }
