@@ -74,13 +74,13 @@ impl Reloader {
         }
     }
 
-    /// Watch the files (and SIGHUP) and reload on change, forever. `poll` forces polling at
-    /// that period instead of inotify.
-    pub async fn watch(self, poll: Option<Duration>) {
-        let this = Arc::new(self);
+    /// Watch the files (and SIGHUP) and reload on change, forever: the returned future. The
+    /// watch starts now, and the files are read once more once it has, so that an edit made
+    /// since they were first read is not lost (no event would ever come for it); a reload of
+    /// identical content is a no-op. `poll` forces polling at that period instead of inotify.
+    pub fn watch(self, poll: Option<Duration>) -> impl Future<Output = ()> + Send + 'static {
         let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-        // Keep the watchers alive for as long as this task runs.
-        let _watchers: Vec<_> = this
+        let watchers: Vec<_> = self
             .source
             .watch
             .iter()
@@ -92,19 +92,25 @@ impl Reloader {
                     .ok()
             })
             .collect();
-        tokio::spawn(forward_sighup(tx));
-        while rx.recv().await.is_some() {
-            // Debounce: wait until events stop for DEBOUNCE, then read once.
-            loop {
-                match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
-                    Ok(Some(())) => continue,
-                    Ok(None) => return,
-                    Err(_) => break,
+        self.reload();
+        let this = Arc::new(self);
+        async move {
+            // Keep the watchers alive for as long as this task runs.
+            let _watchers = watchers;
+            tokio::spawn(forward_sighup(tx));
+            while rx.recv().await.is_some() {
+                // Debounce: wait until events stop for DEBOUNCE, then read once.
+                loop {
+                    match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+                        Ok(Some(())) => continue,
+                        Ok(None) => return,
+                        Err(_) => break,
+                    }
                 }
-            }
-            let reloader = Arc::clone(&this);
-            if let Err(error) = tokio::task::spawn_blocking(move || reloader.reload()).await {
-                tracing::error!(%error, "rules not reloaded; the previous rules stay in force");
+                let reloader = Arc::clone(&this);
+                if let Err(error) = tokio::task::spawn_blocking(move || reloader.reload()).await {
+                    tracing::error!(%error, "rules not reloaded; the previous rules stay in force");
+                }
             }
         }
     }
@@ -162,5 +168,38 @@ async fn forward_sighup(tx: mpsc::UnboundedSender<()>) {
         if tx.send(()).is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(limit: u32) -> String {
+        format!(
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        )
+    }
+
+    /// An edit made after the rules were first read but before the watch started would never
+    /// raise an event: the watch reads the files once more as it starts.
+    #[test]
+    fn an_edit_made_before_the_watch_starts_is_read_as_it_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("rules.yaml");
+        std::fs::write(&file, rules(1)).unwrap();
+        let source = Source::path(dir.path().to_path_buf(), false);
+        let first = source.load().expect("valid rules");
+        let first_version = first.version().to_owned();
+        let active = Arc::new(ActiveRules::new(first));
+        std::fs::write(&file, rules(2)).unwrap();
+        let metrics = Arc::new(Metrics::new(0.8, 100));
+        // Polled hourly and never run: only the start can have read the edit.
+        let _watch = Reloader::new(source, Arc::clone(&active), metrics)
+            .watch(Some(Duration::from_secs(3_600)));
+        let now = active.current();
+        assert_ne!(now.rules.version(), first_version);
+        let edited = Source::path(dir.path().to_path_buf(), false).load();
+        assert_eq!(now.rules.version(), edited.expect("valid rules").version());
     }
 }

@@ -161,6 +161,8 @@ async fn a_deleted_domain_file_removes_its_rules_and_sighup_forces_a_reload() {
     // Poll so rarely that only SIGHUP can trigger the reload.
     let polled = Rules::new(&rules("p", 1));
     let t = Turnstile::start(polled.path(), &["--config-poll-interval", "1h"]).await;
+    // The poller scans once as its thread starts: the edit comes after that scan.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     polled.write("rules.yaml", &rules("p", 9));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
