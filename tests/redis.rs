@@ -2324,6 +2324,137 @@ async fn requests_a_serving_thread_runs_together_share_one_call() {
     );
 }
 
+/// Each thread serving gRPC (a current-thread runtime) opens connections of its own at its
+/// first call, in the background (that call goes on the I/O thread's), and sends its later
+/// calls on them; callers on a multi-thread runtime (the admin port) use the I/O thread's,
+/// and a runtime that ends closes its own. Seen from Redis: the backend's clients in the
+/// order they came, and the last command of each. All decide on the same counts.
+#[test]
+fn each_serving_thread_calls_on_connections_of_its_own() {
+    let server = RedisServer::start();
+    let build = |threads: Option<usize>| {
+        let mut builder = match threads {
+            Some(n) => {
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(n);
+                builder
+            }
+            None => tokio::runtime::Builder::new_current_thread(),
+        };
+        builder.enable_all().build().unwrap()
+    };
+    let multi = build(Some(1));
+    let b = multi.block_on(over_connections(&server, 2, "own:"));
+    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    let k = hit("k", ten_an_hour, 1);
+    // The last command of each of the backend's connections, oldest first, once they number
+    // `count` (a probe connection made with each set closes soon after).
+    let clients = |count: usize| -> Vec<String> {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let list: String = server.query(&["CLIENT", "LIST"]);
+            let mut clients: Vec<(u64, String)> = list
+                .lines()
+                .filter_map(|line| {
+                    let field = |name: &str| {
+                        line.split(' ')
+                            .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+                    };
+                    let cmd = field("cmd")?;
+                    (cmd != "client|list")
+                        .then(|| Some((field("id")?.parse().ok()?, cmd.into())))?
+                })
+                .collect();
+            clients.sort();
+            if clients.len() == count || Instant::now() > until {
+                return clients.into_iter().map(|(_, cmd)| cmd).collect();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(clients(2).len(), 2, "the I/O thread's");
+
+    let serving = build(None);
+    let first = serving.block_on(async {
+        let first = one(&b, &k).await;
+        sleep(Duration::from_millis(200)).await;
+        first
+    });
+    assert_eq!(first.remaining, 9);
+    assert_eq!(
+        clients(4).len(),
+        4,
+        "and the serving thread's, opened at its first call"
+    );
+    // Round robin: one command on each connection of the I/O thread's.
+    for _ in 0..2 {
+        assert!(multi.block_on(b.ready()));
+    }
+    let later = serving.block_on(async { [one(&b, &k).await, one(&b, &k).await] });
+    assert_eq!([later[0].remaining, later[1].remaining], [8, 7]);
+    assert_eq!(
+        clients(4),
+        ["ping", "ping", "fcall", "fcall"],
+        "the serving thread's calls went on its own connections"
+    );
+
+    let another = build(None);
+    let third = another.block_on(async {
+        let third = one(&b, &k).await;
+        sleep(Duration::from_millis(200)).await;
+        one(&b, &k).await.remaining.min(third.remaining)
+    });
+    assert_eq!(third, 5);
+    assert_eq!(clients(6).len(), 6, "a second serving thread's own");
+    drop(another);
+    drop(serving);
+    assert_eq!(clients(2).len(), 2, "an ended runtime's connections close");
+}
+
+/// A thread serving gRPC reads its own replies, so a busy one reads them late: it must not
+/// blame Redis for a reply that came in time. Redis is frozen when the call is written and
+/// thawed 50 ms later, while the thread is held for 300 ms (a long request); the call
+/// timeout is 100 ms. The reply waits in the socket past the call's timer, and answers it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_busy_serving_thread_does_not_blame_redis_for_a_reply_it_read_late() {
+    let server = std::sync::Arc::new(RedisServer::start());
+    let b = RedisBackend::connect(&RedisConfig {
+        call_timeout: Duration::from_millis(100),
+        ..config(vec![server.url()], RedisMode::Single, "busy:")
+    })
+    .await
+    .unwrap();
+    let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
+    clear_of_end(HOUR, Duration::from_secs(10)).await;
+    assert!(one(&b, &k).await.admitted);
+    // This thread's own connections open meanwhile.
+    sleep(Duration::from_millis(200)).await;
+    assert_eq!(one(&b, &k).await.remaining, 8);
+
+    server.freeze();
+    let caller = Deadline::after(Duration::from_secs(10));
+    let call = tokio::spawn(caller.scope({
+        let (b, k) = (b.clone(), k.clone());
+        async move { b.evaluate(&[k], Charging::Atomic).await }
+    }));
+    // Written meanwhile.
+    sleep(Duration::from_millis(20)).await;
+    let thaw = std::thread::spawn({
+        let server = server.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(50));
+            server.thaw();
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    thaw.join().unwrap();
+    let answer = call.await.unwrap();
+    assert!(
+        matches!(&answer, Ok(o) if o[0].admitted && o[0].remaining == 7),
+        "{answer:?}"
+    );
+}
+
 /// The Redis timeout bounds a call from when it is written; the time a request queues behind
 /// other calls counts only against its caller's deadline. One connection, Redis frozen: a
 /// call in flight, then a request of 256 hits (a call of its own), then one of 9 (costly

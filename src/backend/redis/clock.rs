@@ -23,14 +23,16 @@ pub(super) struct Clock {
     offset: Mutex<Option<(i64, Instant)>>,
 }
 
-impl Clock {
-    pub(super) fn new() -> Clock {
+impl Default for Clock {
+    fn default() -> Clock {
         Clock {
             base: Instant::now(),
             offset: Mutex::new(None),
         }
     }
+}
 
+impl Clock {
     fn local(&self, at: Instant) -> i64 {
         i64::try_from(at.saturating_duration_since(self.base).as_micros()).unwrap_or(i64::MAX)
     }
@@ -72,7 +74,7 @@ mod tests {
 
     #[test]
     fn the_tightest_upper_bound_wins_until_a_restart() {
-        let clock = Clock::new();
+        let clock = Clock::default();
         let t0 = clock.base + Duration::from_millis(10);
         assert_eq!(clock.redis_time(t0), None, "unknown before any reply");
         // Redis' clock is 1 000 000 µs ahead; replies took 300 and 40 µs to get there.

@@ -36,15 +36,16 @@
 //! against Redis), while a light request waits at most about two calls.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use super::Shared;
-use super::mailbox::{Mailbox, Post, RequestAnswer, serving_thread};
+use super::home::serving_thread;
+use super::mailbox::{Mailbox, Post, RequestAnswer};
 use super::script::{self, Call, Part, Reply};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
@@ -65,20 +66,6 @@ const MAX_QUEUED_HITS: usize = 65_536;
 /// runtime gives by then unless it is itself stuck.
 const GRACE: Duration = Duration::from_millis(5);
 
-/// The runtime that drives Redis connections and calls: one thread, shared by every backend
-/// of the process, never dropped.
-pub(super) fn io() -> &'static Handle {
-    static IO: LazyLock<Runtime> = LazyLock::new(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("turnstile-redis")
-            .enable_all()
-            .build()
-            .expect("cannot start the Redis I/O runtime")
-    });
-    IO.handle()
-}
-
 /// Every lane of a backend, and how they are bounded.
 pub(super) struct Lanes {
     /// Requests per call at most (1: no coalescing).
@@ -88,7 +75,7 @@ pub(super) struct Lanes {
     single: Arc<Lane>,
     /// Made on first use; a Cluster has at most 16 384 slots.
     slots: Mutex<HashMap<Slot, Arc<Lane>>>,
-    /// How late the I/O runtime runs.
+    /// How late the home runtime runs (made on it).
     pub(super) lag: Lag,
 }
 
@@ -105,10 +92,7 @@ impl Lanes {
             },
             single: Arc::default(),
             slots: Mutex::default(),
-            lag: {
-                let _io = io().enter();
-                Lag::start()
-            },
+            lag: Lag::start(),
         }
     }
 
@@ -206,6 +190,8 @@ pub(super) async fn call(
     let (answer, mut reply) = oneshot::channel();
     let written = Arc::new(Mutex::new(None));
     let hits = part.len();
+    let here = serving_thread();
+    let at_home = here.as_ref().is_some_and(|h| h.id() == shared.home.id());
     let request = Request {
         part,
         at,
@@ -213,7 +199,8 @@ pub(super) async fn call(
         bound,
         written: Arc::clone(&written),
         answer,
-        mailbox: Mailbox::here(),
+        // Answered on this thread, a request needs no mailbox.
+        mailbox: if at_home { None } else { Mailbox::here() },
         retried: false,
     };
     let slot_free = {
@@ -229,7 +216,7 @@ pub(super) async fn call(
         free
     };
     if slot_free {
-        start(shared, lane);
+        start(shared, lane, here);
     }
     let lost = || Err(BackendError::Unavailable("a Redis call was lost".into()));
     if let Ok(answer) = tokio::time::timeout_at(until.into(), &mut reply).await {
@@ -247,38 +234,46 @@ pub(super) async fn call(
             tokio::task::yield_now().await;
             match reply.try_recv() {
                 Ok(answer) => answer,
-                // The I/O runtime did not time its own call: it could not run.
+                // The home runtime did not time its own call: it could not run.
                 Err(_) => Err(BackendError::Late),
             }
         }
     }
 }
 
-/// Start a call in `lane` (its call slot taken): on a thread serving gRPC (a current-thread
-/// runtime), once that thread has run the tasks it already had (the rest of the requests it
-/// read with this one), elsewhere at once. Started at once, a call carried the request that
-/// found its lane idle alone, while that thread was still running the ones read with it,
-/// which then waited for that call's round trip: at 64 calls in flight 60 % of calls were of
-/// one request. The wait is for no timer, only for work already on the thread, which the
-/// call's answers would have queued behind anyway.
-fn start(shared: &Arc<Shared>, lane: Arc<Lane>) {
-    let start = Start(Some((Arc::clone(shared), lane)));
-    match serving_thread() {
+/// Start a call in `lane` (its call slot taken) on its home runtime: from a thread serving
+/// gRPC (`here`, a current-thread runtime), once that thread has run the tasks it already had
+/// (the rest of the requests it read with this one), elsewhere at once. Started at once, a
+/// call carried the request that found its lane idle alone, while that thread was still
+/// running the ones read with it, which then waited for that call's round trip: at 64 calls
+/// in flight 60 % of calls were of one request. The wait is for no timer, only for work
+/// already on the thread, which the call's answers would have queued behind anyway.
+fn start(shared: &Arc<Shared>, lane: Arc<Lane>, here: Option<Handle>) {
+    let home = &shared.home;
+    match here {
+        // Its tasks run in turn: the call's goes after those already there.
+        Some(here) if here.id() == home.id() => {
+            here.spawn(drive(Arc::clone(shared), lane));
+        }
         // Run, or dropped unrun when its runtime shuts down, the task drops `start`.
         Some(here) => {
+            let start = Start(Some((Arc::clone(shared), lane)));
             here.spawn(async move { drop(start) });
         }
-        None => drop(start),
+        None => {
+            home.spawn(drive(Arc::clone(shared), lane));
+        }
     }
 }
 
-/// A lane's call to start on the I/O thread when this is dropped, however that happens.
+/// A lane's call to start on its home runtime when this is dropped, however that happens.
 struct Start(Option<(Arc<Shared>, Arc<Lane>)>);
 
 impl Drop for Start {
     fn drop(&mut self) {
         if let Some((shared, lane)) = self.0.take() {
-            io().spawn(drive(shared, lane));
+            let home = shared.home.clone();
+            home.spawn(drive(shared, lane));
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Answers go back to the thread that asked for them all at once, one wake-up per thread per
 //! call.
 //!
-//! A call's answers are given on the Redis I/O thread; each request's caller waits on a
-//! thread serving gRPC. Answered one by one, each answer wakes its serving thread (a system
+//! A serving thread's calls go on its own connections (`home`), and their answers need no
+//! mailbox; but while those are being opened, its calls go on the I/O thread's, whose answers
+//! are given on that thread while each request's caller waits on the serving thread. Answered one by one, each answer wakes its serving thread (a system
 //! call), which runs that one request and writes its response to the socket (another) before
 //! the next answer arrives: one `writev` per response, where a batch of answers could share
 //! one. So a serving thread has a mailbox: the I/O thread drops all of a call's answers for
@@ -16,9 +17,10 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::runtime::Id;
 use tokio::sync::{Notify, oneshot};
 
+use super::home::serving_thread;
 use super::script::Reply;
 use crate::decision::BackendError;
 
@@ -31,6 +33,8 @@ pub(super) struct Mailbox {
     ring: Notify,
     /// False once the task that empties it is gone (its runtime shut down).
     open: AtomicBool,
+    /// The runtime that task runs on.
+    runtime: Id,
 }
 
 /// An answer and the request it is for.
@@ -41,22 +45,15 @@ thread_local! {
     static MAILBOX: RefCell<Option<Arc<Mailbox>>> = const { RefCell::new(None) };
 }
 
-/// The runtime of the thread this runs on, if that thread is its runtime's only one (a
-/// current-thread runtime: a thread serving gRPC).
-pub(super) fn serving_thread() -> Option<Handle> {
-    Handle::try_current()
-        .ok()
-        .filter(|handle| handle.runtime_flavor() == RuntimeFlavor::CurrentThread)
-}
-
 impl Mailbox {
     /// The mailbox of the thread this runs on, made (with the task that empties it) on first
-    /// use; None off a current-thread runtime.
+    /// use, and anew for another runtime run on the thread; None off a current-thread runtime.
     pub(super) fn here() -> Option<Arc<Mailbox>> {
         let handle = serving_thread()?;
         MAILBOX.with(|here| {
             let mut here = here.borrow_mut();
             if let Some(mailbox) = here.as_ref()
+                && mailbox.runtime == handle.id()
                 && mailbox.open.load(Ordering::Acquire)
             {
                 return Some(Arc::clone(mailbox));
@@ -65,6 +62,7 @@ impl Mailbox {
                 letters: Mutex::default(),
                 ring: Notify::new(),
                 open: AtomicBool::new(true),
+                runtime: handle.id(),
             });
             handle.spawn(Arc::clone(&mailbox).empty());
             *here = Some(Arc::clone(&mailbox));

@@ -6,7 +6,8 @@
 //! call, which makes it atomic; requests that arrive together share a call (`coalesce`), each
 //! decided on its own. On a Cluster, hits whose limits live in different slots cannot share a
 //! script call; `cluster` reserves them per slot and refunds the reservation when the request
-//! is refused as a whole.
+//! is refused as a whole. Each thread serving gRPC writes and reads its own calls, on
+//! connections of its own (`home`).
 
 mod client;
 mod clock;
@@ -14,6 +15,7 @@ mod cluster;
 mod coalesce;
 mod connect;
 mod eviction;
+mod home;
 mod layout;
 mod mailbox;
 mod script;
@@ -27,14 +29,16 @@ use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
 use ::redis::{RedisError, RedisResult};
+use tokio::runtime::Handle;
 
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
 use crate::deadline::Deadline;
 use crate::metrics::Metrics;
 use clock::Clock;
-use coalesce::{Lanes, io};
+use coalesce::Lanes;
 use connect::Pool;
+use home::{Homes, run_on};
 pub use layout::KeyLayout;
 pub use script::{Lua, batch_library, batch_source};
 use script::{Mode, Nonce, Part};
@@ -63,7 +67,8 @@ pub struct RedisConfig {
     /// Default: [`RedisMode::Single`].
     pub mode: RedisMode,
     /// Multiplexed connections used round-robin (per node on a Cluster; at least 1), and the
-    /// script calls in flight per server (per slot on a Cluster) when coalescing. Default: 2.
+    /// script calls in flight per server (per slot on a Cluster) when coalescing; each thread
+    /// serving gRPC has as many of its own, and the I/O thread as many again. Default: 2.
     pub connections: usize,
     /// Most requests decided by one script call: requests that arrive while calls are in
     /// flight share the next one (see `coalesce`). 1: every request is a call of its own.
@@ -144,21 +149,32 @@ impl fmt::Debug for RedisConfig {
 /// Limit state in Redis. Cheap to clone: clones share the connections.
 #[derive(Clone)]
 pub struct RedisBackend {
-    shared: Arc<Shared>,
+    homes: Arc<Homes>,
 }
 
-/// What the backend and the tasks it spawns (cluster reservations) share.
+/// One runtime's connections to Redis and what its calls share (`home`: a serving thread's
+/// own, or the I/O thread's), with the tasks it spawns (cluster reservations).
 struct Shared {
+    /// The runtime that drives `pool`, runs the calls and times them.
+    home: Handle,
     pool: Pool,
     /// How the batch script runs on the pool's servers.
-    runner: script::Runner,
+    runner: Arc<script::Runner>,
     lanes: Lanes,
     call_timeout: Duration,
     /// Bound on script calls that must finish even after the caller gave up (refunds).
     cleanup_timeout: Duration,
     key_prefix: String,
     key_layout: KeyLayout,
-    clock: Clock,
+    clock: Arc<Clock>,
+}
+
+/// What one runtime's calls learn of the servers, which every runtime's calls share: how the
+/// batch script runs there, and Redis' clock.
+#[derive(Clone, Default)]
+struct Learned {
+    runner: Arc<script::Runner>,
+    clock: Arc<Clock>,
 }
 
 impl RedisBackend {
@@ -170,23 +186,28 @@ impl RedisBackend {
                     .into(),
             ));
         }
-        // On the I/O runtime, which then drives the connections (see `coalesce`).
-        let owned = config.clone();
-        let pool = on_io(async move { Pool::connect(&owned).await }).await?;
+        let homes = Homes::connect(config).await?;
         if let Some(slice) = config.io_slice {
             slice::give_io_thread(slice);
         }
-        Ok(RedisBackend {
-            shared: Arc::new(Shared {
-                pool,
-                runner: script::Runner::default(),
-                lanes: Lanes::new(config.batch, config.connections),
-                call_timeout: config.call_timeout,
-                cleanup_timeout: config.call_timeout + config.connect_timeout,
-                key_prefix: config.key_prefix.clone(),
-                key_layout: config.key_layout,
-                clock: Clock::new(),
-            }),
+        Ok(RedisBackend { homes })
+    }
+}
+
+impl Shared {
+    /// Connect on the runtime this runs on, which becomes the home of what it opens.
+    async fn open(config: &RedisConfig, learned: Learned) -> Result<Shared, BackendError> {
+        let pool = Pool::connect(config).await?;
+        Ok(Shared {
+            home: Handle::current(),
+            pool,
+            runner: learned.runner,
+            lanes: Lanes::new(config.batch, config.connections),
+            call_timeout: config.call_timeout,
+            cleanup_timeout: config.call_timeout + config.connect_timeout,
+            key_prefix: config.key_prefix.clone(),
+            key_layout: config.key_layout,
+            clock: learned.clock,
         })
     }
 }
@@ -195,7 +216,7 @@ impl RedisBackend {
     /// Read what Redis does once full now and every minute, for as long as this backend
     /// lives: logged, and shown in `turnstile_redis_evicts_when_full` (see `eviction`).
     pub fn watch_eviction(&self, metrics: Arc<Metrics>) {
-        eviction::watch(Arc::downgrade(&self.shared), metrics);
+        eviction::watch(Arc::downgrade(self.homes.io()), metrics);
     }
 
     /// Run a script of another module on `<prefix>{<identity>}<suffix>`: a key in the Cluster
@@ -207,27 +228,16 @@ impl RedisBackend {
         suffix: &str,
         args: &[String],
     ) -> Result<i64, BackendError> {
-        let shared = Arc::clone(&self.shared);
+        let shared = self.homes.here();
         let key = layout::tagged(&shared.key_prefix, identity) + suffix;
         let args = args.to_vec();
         let lua = lua.clone();
-        on_io(async move {
+        run_on(shared.home.clone(), async move {
             let call = script::run_lua(&shared.pool, &lua, &key, &args);
             shared.bounded(shared.call_timeout, call).await
         })
         .await
     }
-}
-
-/// Run `work` on the I/O runtime, so that it is timed there (see `coalesce`).
-async fn on_io<T: Send + 'static>(
-    work: impl Future<Output = Result<T, BackendError>> + Send + 'static,
-) -> Result<T, BackendError> {
-    io().spawn(work).await.unwrap_or_else(|err| {
-        Err(BackendError::Unavailable(format!(
-            "a Redis call failed: {err}"
-        )))
-    })
 }
 
 impl Shared {
@@ -243,7 +253,7 @@ impl Shared {
             .flatten()
     }
 
-    /// A command bounded by `bound`, run on the I/O runtime. No reply in time is
+    /// A command bounded by `bound`, run on the home runtime. No reply in time is
     /// [`BackendError::Timeout`], unless this process's own lag explains the wait
     /// ([`Shared::within`]): then [`BackendError::Late`].
     async fn bounded<T>(
@@ -266,7 +276,7 @@ impl Shared {
     }
 
     /// `work`'s output within `bound`, or why not. When the wait ran out while the process was
-    /// kept from running (a paused host, a starved thread: the I/O runtime's lag explains the
+    /// kept from running (a paused host, a starved thread: the home runtime's lag explains the
     /// wait, or this timer itself went off over half a bound late), Redis has most likely
     /// answered meanwhile, its reply unread: `work` gets one more `bound`, timed on a running
     /// process. Failing at once would answer by policy a request Redis decided, and charged,
@@ -335,7 +345,7 @@ impl RedisBackend {
         if hits.is_empty() {
             return Ok(Vec::new());
         }
-        let shared = &self.shared;
+        let shared = &self.homes.here();
         let deadline = shared.deadline();
         let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(h)).collect();
         if shared.pool.is_cluster() {
@@ -380,8 +390,8 @@ impl Backend for RedisBackend {
     }
 
     async fn ready(&self) -> bool {
-        let shared = Arc::clone(&self.shared);
-        let ping = on_io(async move {
+        let shared = self.homes.here();
+        let ping = run_on(shared.home.clone(), async move {
             let ping = ::redis::cmd("PING");
             let reply = shared.pool.query::<String>(&ping);
             shared.bounded(shared.call_timeout, reply).await

@@ -16,11 +16,11 @@
 use std::io;
 use std::time::Duration;
 
-use super::coalesce;
+use super::home;
 
 /// Give the I/O thread `slice` (from the thread itself, by a task it runs).
 pub(super) fn give_io_thread(slice: Duration) {
-    coalesce::io().spawn(async move {
+    home::io().spawn(async move {
         if let Err(error) = set_for_this_thread(slice) {
             tracing::debug!(%error, ?slice, "the kernel took no slice for the Redis I/O thread");
         }
