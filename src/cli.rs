@@ -348,8 +348,8 @@ pub struct ServeArgs {
     #[arg(long, env = "GRPC_CLIENT_TLS_CACERT", requires = "grpc_tls_cert")]
     pub grpc_client_ca: Option<PathBuf>,
     /// Threads serving gRPC, each with the connections it was given (0: one per CPU, less one
-    /// for the Redis backend's I/O thread). A connection stays on one thread, so a call wakes
-    /// no other thread.
+    /// on the Redis backend). A connection stays on one thread, and the thread does its own
+    /// Redis I/O, so a call wakes no other thread.
     #[arg(long, env = "TURNSTILE_GRPC_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
     pub grpc_threads: u16,
     /// Most calls in flight; past it calls are refused at once with RESOURCE_EXHAUSTED. A
@@ -430,12 +430,15 @@ pub struct ServeArgs {
         default_value = "single"
     )]
     pub redis_type: RedisType,
-    /// Multiplexed Redis connections per instance.
+    /// Multiplexed Redis connections (per node on a Cluster) of each thread serving gRPC, and
+    /// of the Redis I/O thread; also the script calls each has in flight per server (per
+    /// Cluster slot).
     #[arg(long, env = "REDIS_POOL_SIZE", default_value_t = 2)]
     pub redis_connections: usize,
     /// Most requests one Redis script call decides: requests arriving while calls are in
-    /// flight (at most REDIS_POOL_SIZE per server, or per Cluster slot) share the next call,
-    /// each decided on its own. 1 turns coalescing off: every request is a call of its own.
+    /// flight (at most REDIS_POOL_SIZE per serving thread and server, or Cluster slot) share
+    /// the next call, each decided on its own. 1 turns coalescing off: every request is a
+    /// call of its own.
     #[arg(long, env = "TURNSTILE_REDIS_BATCH", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub redis_batch: usize,
     /// The Redis I/O thread's scheduler slice (Linux 6.12+; ignored elsewhere): a short one
@@ -633,9 +636,10 @@ impl ServeArgs {
         })
     }
 
-    /// How many threads serve gRPC: as many as asked, else one per CPU, less the one the
-    /// Redis backend's I/O thread keeps busy (measured: with a thread per CPU besides it,
-    /// their hand-overs cost more CPU per call than the extra thread serves).
+    /// How many threads serve gRPC: as many as asked, else one per CPU, less one on the Redis
+    /// backend. Each thread does its own Redis I/O, but a thread per CPU leaves no CPU to
+    /// wait for Redis on: measured with Redis and the load generator sharing 2 CPUs, 2
+    /// threads served 21 % fewer decisions/s than 1, at 29 % more CPU per call (BENCHMARKS.md).
     pub fn grpc_threads(&self) -> usize {
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         match (self.grpc_threads, self.backend_kind()) {
@@ -687,7 +691,7 @@ mod tests {
     }
 
     #[test]
-    fn serving_threads_leave_the_redis_backend_a_cpu_for_its_io_thread() {
+    fn serving_threads_leave_the_redis_backend_a_cpu() {
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         for (args, threads) in [
             (&[][..], cpus),

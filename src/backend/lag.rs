@@ -1,6 +1,6 @@
 //! How late a runtime wakes its tasks: the measure of this process's own delay, which a
 //! timeout must not blame on the backend. The breaker asks it of the runtime serving calls;
-//! the Redis backend of its I/O runtime.
+//! the Redis backend of the runtime that reads a call's reply.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

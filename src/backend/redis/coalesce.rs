@@ -4,26 +4,26 @@
 //! finding the script, entering Lua, the reply; on this side a write, a read and a task)
 //! dwarfs one decision's: a call that decides many requests costs Redis a fraction of that
 //! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
-//! share a slot) has at most `connections` calls in flight; requests that arrive meanwhile
+//! share a slot) of a runtime's connections (`home`: a serving thread's own, or the I/O
+//! thread's) has at most `connections` calls in flight; requests that arrive meanwhile
 //! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
 //! idle lane waits for no timer: its call starts once the thread serving gRPC that queued its
-//! first request has run the requests it read with it (`start`), and takes the queue when the
-//! I/O thread runs it. A batch of 1 sends every request at once in a call of its own, as many
-//! in flight as there are requests.
+//! first request has run the requests it read with it (`start`), and takes the queue when it
+//! first runs. A batch of 1 sends every request at once in a call of its own, as many in
+//! flight as there are requests.
 //!
-//! Calls run on a runtime of their own (one thread, `io`) that also drives the connections,
-//! so a reply is read, and a call timed, when Redis answers, however far behind the threads
-//! serving gRPC are. A call is timed from when it is written: [`BackendError::Timeout`] when
-//! Redis has not answered within the call timeout of that. A caller whose wait ran out while
-//! its request was still queued here gets [`BackendError::Late`] instead: the policy's
-//! answer, but no evidence against Redis (once written, the caller waits for the I/O
-//! runtime's verdict). A call whose timer ran out while the I/O runtime itself was kept
-//! from running (a paused host, a machine short of CPU: Redis' answer may have waited for
-//! us) gets one more call timeout to be read, and is late, not timed out, if it misses that
-//! too. A queued request whose deadline passed, or whose caller left, is never sent: it
-//! could only charge for nothing. A call's answers go back to the threads that asked
-//! through their mailboxes (`mailbox`): one wake-up per thread per call, not one per
-//! request.
+//! Calls run on the runtime that drives their connections, so a call is timed where its reply
+//! is read. A call is timed from when it is written: [`BackendError::Timeout`] when Redis has
+//! not answered within the call timeout of that. A caller whose wait ran out while its
+//! request was still queued here gets [`BackendError::Late`] instead: the policy's answer,
+//! but no evidence against Redis (once written, the caller waits for the home runtime's
+//! verdict). A call whose timer ran out while that runtime itself was kept from running (a
+//! paused host, a machine short of CPU, a serving thread busy with a long request: Redis'
+//! answer may have waited for us) gets one more call timeout to be read, and is late, not
+//! timed out, if it misses that too. A queued request whose deadline passed, or whose caller
+//! left, is never sent: it could only charge for nothing. The answers of a call on the I/O
+//! thread go back to the serving threads that asked through their mailboxes (`mailbox`): one
+//! wake-up per thread per call, not one per request.
 //!
 //! What a call costs Redis grows with its hits and its keys' bytes, and a request may carry
 //! up to 64 descriptors of 4 KiB each: a call is bounded in both (`MAX_CALL_HITS`,
@@ -319,10 +319,9 @@ fn take(queue: &mut Queue, batch: usize) -> Vec<Request> {
 }
 
 /// One of a lane's call slots: send what is queued, then whatever queued meanwhile, until
-/// the queue is empty. The first call's requests are taken when this task first runs on the
-/// I/O thread, not when it was spawned: the requests that arrived while that thread woke up
-/// (a burst a serving thread read from one socket read, say) go in it too, at no wait of
-/// their own.
+/// the queue is empty. The first call's requests are taken when this task first runs, not
+/// when it was spawned: the requests that arrived meanwhile (a burst a serving thread read
+/// from one socket read, say) go in it too, at no wait of their own.
 async fn drive(shared: Arc<Shared>, lane: Arc<Lane>) {
     let mut again: Vec<Request> = Vec::new();
     loop {

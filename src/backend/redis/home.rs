@@ -170,8 +170,13 @@ impl Homes {
     }
 }
 
+thread_local! {
+    /// A flag per runtime run on this thread, true while it runs (`running`).
+    static RUNNING: RefCell<Vec<(Id, Arc<AtomicBool>)>> = const { RefCell::new(Vec::new()) };
+}
+
 /// A flag that stays true while `runtime` runs: a task of it, which never ends, clears it
-/// when dropped.
+/// when dropped. One per runtime, whatever the backends.
 fn running(runtime: &Handle) -> Arc<AtomicBool> {
     struct Clears(Arc<AtomicBool>);
     impl Drop for Clears {
@@ -179,14 +184,22 @@ fn running(runtime: &Handle) -> Arc<AtomicBool> {
             self.0.store(false, Ordering::Release);
         }
     }
-    let flag = Arc::new(AtomicBool::new(true));
-    // Made before the task, so that it clears the flag even if never polled.
-    let clears = Clears(Arc::clone(&flag));
-    runtime.spawn(async move {
-        let _clears = clears;
-        std::future::pending::<()>().await;
-    });
-    flag
+    RUNNING.with(|flags| {
+        let mut flags = flags.borrow_mut();
+        flags.retain(|(_, flag)| flag.load(Ordering::Acquire));
+        if let Some((_, flag)) = flags.iter().find(|(id, _)| *id == runtime.id()) {
+            return Arc::clone(flag);
+        }
+        let flag = Arc::new(AtomicBool::new(true));
+        // Made before the task, so that it clears the flag even if never polled.
+        let clears = Clears(Arc::clone(&flag));
+        runtime.spawn(async move {
+            let _clears = clears;
+            std::future::pending::<()>().await;
+        });
+        flags.push((runtime.id(), Arc::clone(&flag)));
+        flag
+    })
 }
 
 /// Run `work` on `home` (so that what it opens is driven, and what it waits for timed,

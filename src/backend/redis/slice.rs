@@ -7,7 +7,9 @@
 //! a tenth of a millisecond or more late while the other CPU sat idle. A thread with a
 //! shorter slice has an earlier deadline, so it runs at once when woken; its share of the CPU
 //! is unchanged (that is its weight, its nice value). With a 100 µs slice, on 2 CPUs shared
-//! with Redis and the load generator, decisions/s rose by 3 to 8 % (BENCHMARKS.md).
+//! with Redis and the load generator, decisions/s rose by 3 to 8 % (BENCHMARKS.md). That was
+//! when the thread carried every call; it now carries those of callers off a serving thread,
+//! and a serving thread's until that thread's own connections are open (`home`).
 //!
 //! Linux 6.12 and later take a slice for ordinary threads (`sched_setattr`'s
 //! `sched_runtime`, 0.1 to 100 ms, no privilege needed); earlier kernels ignore it, and other
