@@ -6,8 +6,10 @@
 //! a thread that, on a host where turnstile shares its CPUs with Redis, had to wait for one.
 //! So each serving thread has its own connections, lanes and timers for each backend
 //! ([`Shared`]), opened in the background at its first call: the calls it serves are written,
-//! read and timed on it, and their answers wake no other thread. (Measured: +15 % decisions
-//! and −14 % of turnstile's CPU per call on Redis at 64 in flight, BENCHMARKS.md.)
+//! read and timed on it, and their answers wake no other thread. (Measured at 64 in flight,
+//! with Redis and the load on the same 2 CPUs: 19–21 % more decisions/s at 16–19 % less of
+//! turnstile's CPU per decision; no change with turnstile and Redis held to one CPU, where
+//! the threads never woke each other across CPUs. BENCHMARKS.md.)
 //!
 //! The process's I/O thread (`io`), on which the backend first connects, serves everyone
 //! else: callers off a serving thread (the admin port's readiness, the eviction watch, a
