@@ -99,6 +99,14 @@ async fn one(backend: &impl Backend, hit: &Hit) -> Outcome {
     eval(backend, std::slice::from_ref(hit), Charging::Atomic).await[0]
 }
 
+/// `one`, then time for the connections this thread opens for itself at its first call to
+/// open (`home`), so that the calls after it all go in one lane, on those connections.
+async fn settled(backend: &RedisBackend, hit: &Hit) -> Outcome {
+    let outcome = one(backend, hit).await;
+    sleep(Duration::from_millis(200)).await;
+    outcome
+}
+
 fn us(d: Duration) -> u64 {
     d.as_micros() as u64
 }
@@ -2231,7 +2239,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
     let one_an_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
-    assert!(one(&b, &hit("full", one_an_hour, 1)).await.admitted);
+    assert!(settled(&b, &hit("full", one_an_hour, 1)).await.admitted);
 
     let calls_before = server.script_calls();
     server.freeze();
@@ -2297,10 +2305,9 @@ async fn requests_a_serving_thread_runs_together_share_one_call() {
     let b = over_connections(&server, 2, "burst:").await;
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
-    assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
     // The warm call's answer comes before its I/O task looks at the lane's queue once more
     // and gives its slot back: a request queued in between would go in a call of its own.
-    sleep(Duration::from_millis(50)).await;
+    assert!(settled(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
 
     let calls_before = server.script_calls();
     let first = tokio::spawn({
@@ -2426,9 +2433,7 @@ async fn a_busy_serving_thread_does_not_blame_redis_for_a_reply_it_read_late() {
     .unwrap();
     let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
-    assert!(one(&b, &k).await.admitted);
-    // This thread's own connections open meanwhile.
-    sleep(Duration::from_millis(200)).await;
+    assert!(settled(&b, &k).await.admitted);
     assert_eq!(one(&b, &k).await.remaining, 8);
 
     server.freeze();
@@ -2475,7 +2480,7 @@ async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     .unwrap();
     let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
-    assert!(one(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
+    assert!(settled(&b, &hit("warm", ten_an_hour, 1)).await.admitted);
     let send = |hits: Vec<Hit>| {
         let b = b.clone();
         let caller = Deadline::after(Duration::from_secs(10));

@@ -113,8 +113,6 @@ impl Homes {
         let runtime = handle.id();
         let open = OWN.with(|own| {
             let mut own = own.borrow_mut();
-            // What a dropped backend, or an ended runtime, left behind.
-            own.retain(|o| o.running.load(Ordering::Acquire) && o.homes.strong_count() > 0);
             let mine = own.iter_mut().find(|o| {
                 o.runtime == runtime && std::ptr::eq(o.homes.as_ptr(), Arc::as_ptr(self))
             });
@@ -132,12 +130,17 @@ impl Homes {
                     ..
                 }) if at.elapsed() < RETRY_AFTER => return None,
                 Some(mine) => mine.state = State::Opening,
-                None => own.push(Own {
-                    homes: Arc::downgrade(self),
-                    runtime,
-                    running: running(&handle),
-                    state: State::Opening,
-                }),
+                None => {
+                    // What a dropped backend, or an ended runtime, left behind: pruned when
+                    // an entry is added, not on every call.
+                    own.retain(|o| o.running.load(Ordering::Acquire) && o.homes.strong_count() > 0);
+                    own.push(Own {
+                        homes: Arc::downgrade(self),
+                        runtime,
+                        running: running(&handle),
+                        state: State::Opening,
+                    });
+                }
             }
             handle.spawn(self.open_here());
             None
@@ -178,8 +181,8 @@ thread_local! {
 }
 
 /// A flag that stays true while `runtime` runs: a task of it, which never ends, clears it
-/// when dropped. One per runtime, whatever the backends.
-fn running(runtime: &Handle) -> Arc<AtomicBool> {
+/// when dropped. One per runtime, shared by its backends and its mailbox.
+pub(super) fn running(runtime: &Handle) -> Arc<AtomicBool> {
     struct Clears(Arc<AtomicBool>);
     impl Drop for Clears {
         fn drop(&mut self) {

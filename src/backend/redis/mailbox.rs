@@ -3,12 +3,13 @@
 //!
 //! A serving thread's calls go on its own connections (`home`), and their answers need no
 //! mailbox; but while those are being opened, its calls go on the I/O thread's, whose answers
-//! are given on that thread while each request's caller waits on the serving thread. Answered one by one, each answer wakes its serving thread (a system
-//! call), which runs that one request and writes its response to the socket (another) before
-//! the next answer arrives: one `writev` per response, where a batch of answers could share
-//! one. So a serving thread has a mailbox: the I/O thread drops all of a call's answers for
-//! that thread in it and wakes it once; the thread hands them to their requests itself (no
-//! system call), runs them all, and its connections write their responses together.
+//! are given on that thread while each request's caller waits on the serving thread.
+//! Answered one by one, each answer wakes its serving thread (a system call), which runs
+//! that one request and writes its response to the socket (another) before the next answer
+//! arrives: one `writev` per response, where a batch of answers could share one. So a
+//! serving thread has a mailbox: the I/O thread drops all of a call's answers for that thread
+//! in it and wakes it once; the thread hands them to their requests itself (no system call),
+//! runs them all, and its connections write their responses together.
 //!
 //! Only a current-thread runtime (a gRPC serving thread) gets a mailbox: elsewhere a request
 //! has no thread of its own to go back to, and is answered directly.
@@ -20,7 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::runtime::Id;
 use tokio::sync::{Notify, oneshot};
 
-use super::home::serving_thread;
+use super::home::{running, serving_thread};
 use super::script::Reply;
 use crate::decision::BackendError;
 
@@ -31,8 +32,8 @@ pub(super) type RequestAnswer = Result<Vec<Reply>, BackendError>;
 pub(super) struct Mailbox {
     letters: Mutex<Vec<Letter>>,
     ring: Notify,
-    /// False once the task that empties it is gone (its runtime shut down).
-    open: AtomicBool,
+    /// False once its runtime, which runs the task that empties it, has shut down.
+    open: Arc<AtomicBool>,
     /// The runtime that task runs on.
     runtime: Id,
 }
@@ -61,7 +62,7 @@ impl Mailbox {
             let mailbox = Arc::new(Mailbox {
                 letters: Mutex::default(),
                 ring: Notify::new(),
-                open: AtomicBool::new(true),
+                open: running(&handle),
                 runtime: handle.id(),
             });
             handle.spawn(Arc::clone(&mailbox).empty());
@@ -71,24 +72,13 @@ impl Mailbox {
     }
 
     /// Hands letters to their requests each time the mailbox rings, until its runtime ends.
-    /// The mailbox is closed when this task goes, run or not.
-    fn empty(self: Arc<Self>) -> impl Future<Output = ()> + Send {
-        struct Closing(Arc<Mailbox>);
-        impl Drop for Closing {
-            fn drop(&mut self) {
-                self.0.open.store(false, Ordering::Release);
-            }
-        }
-        // Made before the task, so that it closes the mailbox even if never polled.
-        let mailbox = Closing(self);
-        async move {
-            let mut letters = Vec::new();
-            loop {
-                mailbox.0.ring.notified().await;
-                std::mem::swap(&mut letters, &mut *mailbox.0.lock());
-                for (request, answer) in letters.drain(..) {
-                    let _ = request.send(answer);
-                }
+    async fn empty(self: Arc<Self>) {
+        let mut letters = Vec::new();
+        loop {
+            self.ring.notified().await;
+            std::mem::swap(&mut letters, &mut *self.lock());
+            for (request, answer) in letters.drain(..) {
+                let _ = request.send(answer);
             }
         }
     }
