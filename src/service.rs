@@ -111,18 +111,20 @@ impl<B: Backend> RateLimiter<B> {
         let outcomes = if plan.hits.is_empty() {
             Vec::new()
         } else {
-            let span = tracing::trace_span!("backend", hits = plan.hits.len());
-            let evaluate = self
-                .backend
-                .evaluate(&plan.hits, self.settings.charging)
-                .instrument(span);
             let deadline =
                 deadline.unwrap_or_else(|| Deadline::for_call(self.settings.request_timeout));
+            // The backend's future is made where it is bound, not kept in a local first: a
+            // local moved into a future still takes its own room in this one.
             let evaluated = if deadline.remaining() < MIN_BUDGET {
                 Err(BackendError::Timeout)
             } else {
+                let span = tracing::trace_span!("backend", hits = plan.hits.len());
                 deadline
-                    .bound(evaluate)
+                    .bound(
+                        self.backend
+                            .evaluate(&plan.hits, self.settings.charging)
+                            .instrument(span),
+                    )
                     .await
                     .unwrap_or(Err(BackendError::Timeout))
             };
