@@ -30,23 +30,13 @@ LOADGEN=target/release/turnstile-bench
 # shellcheck source=scripts/processes.sh
 . scripts/processes.sh
 
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
 REDIS_PORT="$(free_port)"
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
   --logfile "$TMP/redis.log" &
 PIDS+=("$!")
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
 
-mkdir -p "$TMP/rules"
-cat >"$TMP/rules/bench.yaml" <<'EOF'
-domain: bench
-descriptors:
-  - key: fw
-    rate_limit: {unit: minute, requests_per_unit: 1000000000}
-EOF
+fixed_window_rules "$TMP/rules"
 PADDING="$(head -c 3900 /dev/zero | tr '\0' x)"
 
 # client NAME JSON: one line of a client's results.

@@ -1,6 +1,7 @@
 # Sourced by the benchmark scripts that start processes: each adds the PID of every process
 # it starts to PIDS, and on exit, on failure too, those are stopped (by PID) and the
-# temporary directory TMP is removed.
+# temporary directory TMP is removed. Also what those scripts' loads share: a free loopback
+# port, and the rule they drive.
 TMP="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -9,3 +10,19 @@ cleanup() {
   rm -rf "$TMP"
 }
 trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# fixed_window_rules DIR: the rules file of the loads (domain bench, key fw): 10^9 a minute,
+# a limit never reached.
+fixed_window_rules() {
+  mkdir -p "$1"
+  cat >"$1/bench.yaml" <<'EOF'
+domain: bench
+descriptors:
+  - key: fw
+    rate_limit: {unit: minute, requests_per_unit: 1000000000}
+EOF
+}

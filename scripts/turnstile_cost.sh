@@ -26,27 +26,10 @@ if [ "${#BUILDS[@]}" = 0 ]; then
   BUILDS=("this build=$PWD/target/release/turnstile")
 fi
 
-TMP="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/processes.sh
+. scripts/processes.sh
 trap 'exit 130' INT TERM
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-mkdir "$TMP/rules"
-cat >"$TMP/rules/bench.yaml" <<'EOF'
-domain: bench
-descriptors:
-  - key: fw
-    rate_limit: {unit: minute, requests_per_unit: 1000000000}
-EOF
+fixed_window_rules "$TMP/rules"
 
 # hits HTTP: the calls turnstile has decided so far (one descriptor each).
 hits() {
