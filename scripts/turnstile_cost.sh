@@ -78,21 +78,22 @@ cost() {
     "$out"*
 }
 
+# label BUILD: LABEL of LABEL=BINARY, else the binary's path.
+label() { if [ "${1%%=*}" = "$1" ]; then printf '%s' "$1"; else printf '%s' "${1%%=*}"; fi; }
+
 printf '| build | backend | turnstile instructions per call (each round, calls counted) |\n'
 printf '|---|---|---|\n'
 for backend in memory redis; do
   declare -A rounds=()
   for round in 1 2; do
     for build in "${BUILDS[@]}"; do
-      label="${build%%=*}" bin="${build#*=}"
-      [ "$label" = "$build" ] && label="$bin"
-      rounds[$label]+="${rounds[$label]:+ · }$(cost "$bin" "$backend")"
+      name="$(label "$build")"
+      rounds[$name]+="${rounds[$name]:+ · }$(cost "${build#*=}" "$backend")"
     done
   done
   for build in "${BUILDS[@]}"; do
-    label="${build%%=*}"
-    [ "$label" = "$build" ] && label="${build#*=}"
-    printf '| %s | %s | %s |\n' "$label" "$backend" "${rounds[$label]}"
+    name="$(label "$build")"
+    printf '| %s | %s | %s |\n' "$name" "$backend" "${rounds[$name]}"
   done
   unset rounds
 done
