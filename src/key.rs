@@ -9,8 +9,6 @@
 //! in user data, so `a_b=c` and `a=b_c` can never share a counter (a reference quirk), and
 //! so no brace can cut a Redis Cluster hash tag short.
 
-use std::fmt::Write;
-
 use crate::limit::Limit;
 
 /// The characters a key encodes, and their codes. `%` comes last so that decoding in this
@@ -64,9 +62,14 @@ pub fn limit_key<'a>(
         key.push('=');
         push_escaped(&mut key, v);
     }
-    let _ = write!(key, "|{}:{}", limit.algorithm.name(), limit.window);
+    let mut digits = itoa::Buffer::new();
+    key.push('|');
+    key.push_str(limit.algorithm.name());
+    key.push(':');
+    key.push_str(digits.format(limit.window));
     if let Some(Shard(shard)) = shard {
-        let _ = write!(key, "|#{shard}");
+        key.push_str("|#");
+        key.push_str(digits.format(shard));
     }
     key
 }

@@ -74,7 +74,13 @@ impl KeyLayout {
 /// the whole identity, so every key derived from it (the script's `<key>:<window>` and
 /// `<key>:n`, another module's `<key><suffix>`) lands in the limit's Cluster slot.
 pub(super) fn tagged(prefix: &str, identity: &str) -> String {
-    format!("{prefix}{{{}}}", hash_tag(identity))
+    let tag = hash_tag(identity);
+    let mut key = String::with_capacity(prefix.len() + tag.len() + 2);
+    key.push_str(prefix);
+    key.push('{');
+    key.push_str(&tag);
+    key.push('}');
+    key
 }
 
 /// Longest identity that is its own hash tag.

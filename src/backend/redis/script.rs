@@ -9,7 +9,6 @@
 //! routed by their first key like `EVALSHA`, and a Cluster client sends `FUNCTION LOAD` to
 //! every master.
 
-use std::fmt::Write;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -260,10 +259,19 @@ impl<'a> Call<'a> {
     pub(super) fn new(parts: Vec<(&'a Part, i64)>, at: Option<Micros>) -> Call<'a> {
         let earliest = parts.iter().map(|&(_, d)| d).filter(|&d| d > 0).min();
         let mut specs = IndexSet::new();
+        // Hits in a row tend to share a spec (one busy rule): those skip the hashing.
+        let mut last: Option<(Spec, usize)> = None;
         let spec_of = parts
             .iter()
             .flat_map(|(part, _)| &part.hits)
-            .map(|hit| specs.insert_full(hit.spec).0)
+            .map(|hit| match last {
+                Some((spec, index)) if spec == hit.spec => index,
+                _ => {
+                    let index = specs.insert_full(hit.spec).0;
+                    last = Some((hit.spec, index));
+                    index
+                }
+            })
             .collect();
         Call {
             parts,
@@ -281,12 +289,16 @@ impl<'a> Call<'a> {
             cmd.arg(&part.keys);
         }
         let mut specs = String::new();
+        let mut digits = itoa::Buffer::new();
         for s in &self.specs {
-            let _ = write!(
-                specs,
-                "{} {} {} {} {};",
-                s.algorithm, s.limit, s.window, s.burst, s.role
-            );
+            specs.push_str(s.algorithm);
+            for n in [u64::from(s.limit), s.window, u64::from(s.burst)] {
+                specs.push(' ');
+                specs.push_str(digits.format(n));
+            }
+            specs.push(' ');
+            specs.push_str(s.role);
+            specs.push(';');
         }
         cmd.arg(self.at.unwrap_or(0)).arg(self.earliest).arg(specs);
         // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
@@ -300,7 +312,10 @@ impl<'a> Call<'a> {
             shape.push(part.mode.letter());
             for (hit, spec) in part.hits.iter().zip(&mut spec_of) {
                 // Specs count from 1 in Lua.
-                let _ = write!(shape, " {}:{}", spec + 1, hit.cost);
+                shape.push(' ');
+                shape.push_str(digits.format(spec + 1));
+                shape.push(':');
+                shape.push_str(digits.format(hit.cost));
                 if hit.lease.is_some() {
                     shape.push('L');
                 }
@@ -316,12 +331,16 @@ impl<'a> Call<'a> {
         cmd.arg(runs.len());
         let mut tickets = String::new();
         for (mut shape, parts) in runs {
-            let _ = write!(shape, "*{}", parts.len());
+            shape.push('*');
+            shape.push_str(digits.format(parts.len()));
             cmd.arg(&shape);
             tickets.clear();
             for &(part, deadline) in parts {
                 tickets.extend(part.nonce.0.map(char::from));
-                let _ = write!(tickets, "{:016}", deadline.clamp(0, MAX_DEADLINE));
+                // 16 digits, zero-padded.
+                let deadline = digits.format(deadline.clamp(0, MAX_DEADLINE));
+                tickets.extend(std::iter::repeat_n('0', 16 - deadline.len()));
+                tickets.push_str(deadline);
             }
             cmd.arg(&tickets);
             for (part, _) in parts {
@@ -550,6 +569,22 @@ mod tests {
             .flat_map(|l| l.split(if l.contains('|') { '|' } else { ' ' }))
             .collect();
         assert_eq!(args(&call.command("EVALSHA", "sha")), expected);
+        // Hits in a row on one spec (which skip the spec set's hashing) name it alike.
+        let mut same = Part::new(Mode::Atomic, Nonce(*b"nonce0000003"));
+        push(&mut same, "e", minute, None, 1);
+        push(&mut same, "f", minute, None, 2);
+        push(&mut same, "g", leased, None, 1);
+        push(&mut same, "h", minute, None, 1);
+        let call = Call::new(vec![(&same, 0), (&same, 0)], None);
+        assert_eq!(
+            args(&call.command("EVALSHA", "sha"))[13..17],
+            [
+                "fixed_window 10 60 10 e;concurrency 10 60 10 e;",
+                "1",
+                "a 1:1 1:2 2:1 1:1*2",
+                "nonce00000030000000000000000nonce00000030000000000000000"
+            ]
+        );
         let timed = Call::new(vec![(&second, 0)], Some(42));
         assert_eq!(
             args(&timed.command("EVALSHA", "sha"))[5..8],
