@@ -31,10 +31,7 @@ LOADGEN=target/release/turnstile-bench
 . scripts/processes.sh
 
 REDIS_PORT="$(free_port)"
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
-  --logfile "$TMP/redis.log" &
-PIDS+=("$!")
-for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+start_redis "$REDIS_PORT"
 
 fixed_window_rules "$TMP/rules"
 PADDING="$(head -c 3900 /dev/zero | tr '\0' x)"

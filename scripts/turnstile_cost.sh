@@ -39,15 +39,11 @@ hits() {
 
 # cost BINARY BACKEND: instructions per call.
 cost() {
-  local bin="$1" backend="$2" redis_port grpc http out redis_pid ts_pid load_pid before after
+  local bin="$1" backend="$2" redis_port grpc http out ts_pid load_pid before after
   redis_port="$(free_port)" grpc="127.0.0.1:$(free_port)" http="127.0.0.1:$(free_port)"
   out="$TMP/callgrind.out"
   rm -f "$out"*
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
-    --logfile "$TMP/redis.log" --daemonize no &
-  redis_pid=$!
-  PIDS+=("$redis_pid")
-  for _ in $(seq 100); do redis-cli -p "$redis_port" PING >/dev/null 2>&1 && break; sleep 0.05; done
+  start_redis "$redis_port"
   valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
     "$bin" serve --config "$TMP/rules" --backend "$backend" \
     --redis-url "redis://127.0.0.1:$redis_port" --grpc-addr "$grpc" --http-addr "$http" \
@@ -70,8 +66,8 @@ cost() {
   after="$(hits "$http")"
   callgrind_control -d "$ts_pid" >/dev/null 2>&1
   wait "$load_pid" || true
-  kill "$ts_pid" "$redis_pid"
-  wait "$ts_pid" "$redis_pid" 2>/dev/null || true
+  kill "$ts_pid" "$REDIS_PID"
+  wait "$ts_pid" "$REDIS_PID" 2>/dev/null || true
   PIDS=()
   awk -v calls=$((after - before)) '/^totals:/ {n += $2}
     END {if (calls > 0) printf "%.1fk (%d calls)\n", n / calls / 1000, calls; else print "no calls"}' \
