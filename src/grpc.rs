@@ -38,7 +38,7 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use http::{HeaderMap, HeaderValue, header};
+use http::{HeaderMap, HeaderName, HeaderValue, header};
 use http_body::{Body as _, Frame};
 use prost::Message;
 use tokio::sync::Semaphore;
@@ -55,6 +55,11 @@ use crate::service::RateLimiter;
 
 /// The method this edge answers; the rest go to the inner service.
 const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// The gRPC headers this edge reads and writes, parsed once: a name given as text is
+/// parsed and validated on every lookup or insert.
+static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
 pub const PREFIX: usize = 5;
@@ -181,7 +186,7 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
         let longest = self.limiter.request_timeout();
         let timeout = parts
             .headers
-            .get("grpc-timeout")
+            .get(&GRPC_TIMEOUT)
             .and_then(|value| value.to_str().ok())
             .and_then(grpc_timeout)
             .map_or(longest, |caller| caller.min(longest));
@@ -378,7 +383,7 @@ impl http_body::Body for Answer {
             }
             Answer::Trailers => {
                 let mut trailers = HeaderMap::with_capacity(1);
-                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
                 Frame::trailers(trailers)
             }
             Answer::Done => return Poll::Ready(None),
