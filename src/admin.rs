@@ -10,7 +10,6 @@
 //! 429 for OVER_LIMIT, 400 with the message for a bad body or request, 503 when the backend
 //! failed (see `json::error_status`).
 
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +24,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 
 use crate::active::ActiveRules;
 use crate::backend::Backend;
@@ -33,6 +31,7 @@ use crate::health::Health;
 use crate::json;
 use crate::listener::Incoming;
 use crate::metrics::Metrics;
+use crate::serve;
 use crate::service::RateLimiter;
 
 pub struct Admin<B> {
@@ -69,10 +68,10 @@ pub fn metrics_router<B: Backend>(admin: Arc<Admin<B>>, path: &str) -> Router {
 /// Serve `router` on the connections of `incoming` until `stop` turns true, then finish the
 /// requests in progress and close.
 pub async fn serve(
-    mut incoming: Incoming,
+    incoming: Incoming,
     router: Router,
     read_timeout: Duration,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let router = router.layer(middleware::from_fn(move |request: Request, next: Next| {
         bounded(read_timeout, request, next)
@@ -80,29 +79,10 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(read_timeout);
-    let mut connections = JoinSet::new();
-    loop {
-        let conn = tokio::select! {
-            _ = stop.wait_for(|stop| *stop) => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            conn = incoming.next() => conn,
-        };
-        let Some(conn) = conn else { break };
-        let connection =
-            http.serve_connection(TokioIo::new(conn), TowerToHyperService::new(router.clone()));
-        let mut stop = stop.clone();
-        connections.spawn(async move {
-            let mut connection = pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                _ = stop.wait_for(|stop| *stop) => {}
-            }
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
-        });
-    }
-    drop(incoming);
-    while connections.join_next().await.is_some() {}
+    serve::connections(incoming, stop, |conn| {
+        http.serve_connection(TokioIo::new(conn), TowerToHyperService::new(router.clone()))
+    })
+    .await;
 }
 
 /// Reading the body and answering within `limit`, or 408.

@@ -32,6 +32,7 @@ pub mod reload;
 pub mod request;
 pub mod response;
 pub mod rlqs;
+pub mod serve;
 pub mod server;
 pub mod service;
 pub mod statsd;

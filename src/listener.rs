@@ -6,7 +6,7 @@
 //! connections, and one on those from each peer address, so that one client cannot take
 //! them all (the excess is closed at accept and counted); the caps of all ports together
 //! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
-//! TLS and send the HTTP/2 preface within a timeout before tonic sees it; once served, HTTP/2
+//! TLS and send the HTTP/2 preface within a timeout before it is served; once served, HTTP/2
 //! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
 //! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
 //! peer that stopped reading) closes the connection.
@@ -36,7 +36,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
-use tonic::transport::server::Connected;
 
 use crate::metrics::ConnectionMetrics;
 use crate::peers::{Caller, FromPeer, Peers};
@@ -492,10 +491,9 @@ impl Conn {
     }
 }
 
-impl Connected for Conn {
-    type ConnectInfo = Caller;
-
-    fn connect_info(&self) -> Caller {
+impl Conn {
+    /// Who the connection's calls come from.
+    pub fn caller(&self) -> Caller {
         self.caller.clone()
     }
 }

@@ -14,6 +14,7 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tonic::service::{RecoverErrorLayer, Routes};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::active::ActiveRules;
@@ -42,7 +43,7 @@ use crate::response::{Headers, MetadataOn, ResponseSettings};
 use crate::rlqs::{self, MemoryShares, ShareStore};
 use crate::service::{RateLimiter, Settings};
 use crate::statsd::StatsdRecorder;
-use crate::xds;
+use crate::{serve, xds};
 
 /// Keys with quota leases held at once by one instance.
 const MAX_LEASE_POOLS: usize = 100_000;
@@ -407,9 +408,6 @@ async fn run<B: Backend>(
     }
 
     let (stop, stopped) = watch::channel(false);
-    let until_stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
     let threads = args.grpc_threads();
     let handoffs = listener::spread(
         grpc_listener,
@@ -434,30 +432,37 @@ async fn run<B: Backend>(
     let costly = Arc::new(Semaphore::new(2 * threads));
     let quota = Arc::new(quota);
     let mut servers = Vec::with_capacity(threads);
+    let http2 = serve::Http2 {
+        keepalive_interval: args.grpc_keepalive_interval,
+        keepalive_timeout: args.grpc_keepalive_timeout,
+        max_streams: args.grpc_max_streams,
+    };
     for (n, handoff) in handoffs.into_iter().enumerate() {
-        let router = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(args.grpc_keepalive_interval))
-            .http2_keepalive_timeout(Some(args.grpc_keepalive_timeout))
-            .max_concurrent_streams(args.grpc_max_streams)
-            .layer(
-                tower::ServiceBuilder::new()
-                    .layer(GrpcMetricsLayer::new(metrics.clone()))
-                    .layer(ShouldRateLimitLayer::new(
-                        limiter.clone(),
-                        args.max_message_bytes,
-                        Places {
-                            in_flight: in_flight.clone(),
-                            per_peer: args.max_in_flight_per_peer,
-                            costly: costly.clone(),
-                        },
-                    ))
-                    .load_shed()
-                    .layer(GlobalConcurrencyLimitLayer::with_semaphore(
-                        in_flight.clone(),
-                    )),
-            )
-            .add_service(health_service.clone())
-            .add_service(quota.server(args.max_message_bytes));
+        // A call's way in, outermost first: its metrics; `ShouldRateLimit` answered by the
+        // edge; any other method (health, RLQS) within the cap on calls in flight, refused
+        // at once past it, its errors answered as gRPC statuses.
+        let stack = tower::ServiceBuilder::new()
+            .layer(GrpcMetricsLayer::new(metrics.clone()))
+            .layer(ShouldRateLimitLayer::new(
+                limiter.clone(),
+                args.max_message_bytes,
+                Places {
+                    in_flight: in_flight.clone(),
+                    per_peer: args.max_in_flight_per_peer,
+                    costly: costly.clone(),
+                },
+            ))
+            .map_response(|response: http::Response<_>| response.map(tonic::body::Body::new))
+            .layer(RecoverErrorLayer::new())
+            .load_shed()
+            .layer(GlobalConcurrencyLimitLayer::with_semaphore(
+                in_flight.clone(),
+            ))
+            .service(
+                Routes::new(health_service.clone())
+                    .add_service(quota.server(args.max_message_bytes))
+                    .prepare(),
+            );
         let stopped = stopped.clone();
         let (done, served) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -466,20 +471,17 @@ async fn run<B: Backend>(
                 let result = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(anyhow::Error::from)
-                    .and_then(|runtime| {
+                    .map(|runtime| {
                         // The handoff registers sockets with the runtime it is taken on.
                         runtime.block_on(async move {
                             tokio::spawn(crate::allocator::give_back());
-                            router
-                                .serve_with_incoming_shutdown(
-                                    handoff.serve_here(),
-                                    until_stopped(stopped),
-                                )
-                                .await
-                        })?;
-                        Ok(())
-                    });
+                            serve::connections(handoff.serve_here(), stopped, |conn| {
+                                http2.connection(conn, stack.clone())
+                            })
+                            .await;
+                        });
+                    })
+                    .map_err(anyhow::Error::from);
                 let _ = done.send(result);
             })
             .context("cannot start a gRPC serving thread")?;

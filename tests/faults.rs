@@ -24,6 +24,9 @@ use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
 use support::redis::{RedisCluster, RedisServer};
 use support::turnstile::{Rules, Turnstile, descriptor, request};
 use tokio::task::block_in_place;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 const RULES: &str = r#"
 domain: faults
@@ -1035,6 +1038,69 @@ async fn the_in_flight_caps_refuse_the_excess_at_once() {
     for (caps, refusal) in rows {
         in_flight_cap_refuses_the_excess_at_once(&caps, refusal).await;
     }
+}
+
+/// Past the cap on calls in flight the other methods are refused at once too, with a gRPC
+/// status, not a reset stream: Redis frozen holds two ShouldRateLimit calls in
+/// (`--max-in-flight 2`), while for 0.9 s a gRPC health check every 20 ms is answered either SERVING or
+/// RESOURCE_EXHAUSTED, refused at least once; once the two are out, it is SERVING again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_in_flight_cap_other_methods_are_refused_with_a_status() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let flags = [
+        "--redis-timeout",
+        "1s",
+        "--breaker-failures",
+        "1000000",
+        "--request-timeout",
+        "5s",
+        "--max-in-flight",
+        "2",
+    ];
+    let t = on_redis(&redis, &rules, &flags).await;
+    let mut health = HealthClient::new(t.channel().await);
+    let mut check = async move || {
+        let request = HealthCheckRequest {
+            service: String::new(),
+        };
+        health.check(request).await.map(|r| r.into_inner().status)
+    };
+    assert_eq!(check().await.ok(), Some(ServingStatus::Serving as i32));
+    redis.freeze();
+    let signal = request("faults", vec![descriptor(&[("signal", "cap")])]);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut client = RateLimitServiceClient::new(t.channel().await);
+        let signal = signal.clone();
+        held.push(tokio::spawn(async move {
+            client.should_rate_limit(signal).await
+        }));
+    }
+    let mut refused = 0;
+    let until = Instant::now() + Duration::from_millis(900);
+    while Instant::now() < until {
+        match check().await {
+            Ok(status) => assert_eq!(status, ServingStatus::Serving as i32),
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+                refused += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    redis.thaw();
+    // Decided once Redis answers (within its timeout, or UNAVAILABLE past it), never refused.
+    for call in held {
+        let answer = call.await.unwrap();
+        assert!(
+            answer.is_ok() || answer.as_ref().unwrap_err().code() == tonic::Code::Unavailable,
+            "a call held by the frozen Redis: {answer:?}"
+        );
+    }
+    assert!(refused > 0, "no health check was refused while the cap was full");
+    assert_eq!(check().await.ok(), Some(ServingStatus::Serving as i32));
 }
 
 async fn in_flight_cap_refuses_the_excess_at_once(caps: &[&str], refusal: &str) {
