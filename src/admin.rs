@@ -79,7 +79,7 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(read_timeout);
-    serve::connections(incoming, stop, |conn| {
+    serve::connections(incoming, stop, None, |conn| {
         http.serve_connection(TokioIo::new(conn), TowerToHyperService::new(router.clone()))
     })
     .await;

@@ -269,6 +269,14 @@ fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
+/// A duration above zero: a connection's timers (zero would ping, or close, at once).
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match duration(text)? {
+        zero if zero.is_zero() => Err(format!("{text}: must be more than zero")),
+        positive => Ok(positive),
+    }
+}
+
 /// 0, or a slice Linux takes: 100 µs to 100 ms.
 fn io_slice(text: &str) -> Result<Duration, String> {
     let slice = duration(text)?;
@@ -389,11 +397,20 @@ pub struct ServeArgs {
     pub grpc_handshake_timeout: Duration,
     /// A gRPC connection silent this long is sent an HTTP/2 ping: idle clients that answer
     /// (Envoy's long-lived connections) stay, dead peers are found.
-    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_INTERVAL", value_parser = duration, default_value = "60s")]
+    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_INTERVAL", value_parser = positive_duration, default_value = "60s")]
     pub grpc_keepalive_interval: Duration,
     /// A connection whose ping is not answered within this is closed.
-    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_TIMEOUT", value_parser = duration, default_value = "20s")]
+    #[arg(long, env = "TURNSTILE_GRPC_KEEPALIVE_TIMEOUT", value_parser = positive_duration, default_value = "20s")]
     pub grpc_keepalive_timeout: Duration,
+    /// A gRPC connection this old (give or take a tenth, so that connections opened together
+    /// do not all end together) is asked to close (HTTP/2 GOAWAY): its client opens a new
+    /// one, which a load balancer may send to another instance, so a fleet that grew gets
+    /// its share of long-lived connections.
+    #[arg(long, env = "GRPC_MAX_CONNECTION_AGE", value_parser = positive_duration, default_value = "24h")]
+    pub grpc_max_connection_age: Duration,
+    /// How long a connection asked to close may still finish its calls before it is closed.
+    #[arg(long, env = "GRPC_MAX_CONNECTION_AGE_GRACE", value_parser = positive_duration, default_value = "1h")]
+    pub grpc_max_connection_age_grace: Duration,
 
     /// Admin HTTP listen host.
     #[arg(long, env = "HOST", default_value = "0.0.0.0")]
@@ -735,5 +752,36 @@ mod tests {
             }
         }
         assert_eq!(serve(&[]).redis_io_slice, Duration::from_micros(100));
+    }
+
+    /// A gRPC connection's timers take any duration above zero, and refuse zero by name; the
+    /// maximum age and its grace default to the reference's (24 h, 1 h).
+    #[test]
+    fn a_connections_timers_are_above_zero() {
+        let flags = [
+            "--grpc-keepalive-interval",
+            "--grpc-keepalive-timeout",
+            "--grpc-max-connection-age",
+            "--grpc-max-connection-age-grace",
+        ];
+        for flag in flags {
+            let line = |text| ["turnstile", "serve", flag, text];
+            let err = Cli::try_parse_from(line("0s")).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref()
+                    .is_some_and(|e| e.contains("must be more than zero")),
+                "{flag} 0s: {err:?}"
+            );
+            assert!(Cli::try_parse_from(line("1ms")).is_ok(), "{flag} 1ms");
+        }
+        let defaults = serve(&[]);
+        assert_eq!(
+            defaults.grpc_max_connection_age,
+            Duration::from_secs(86_400)
+        );
+        assert_eq!(
+            defaults.grpc_max_connection_age_grace,
+            Duration::from_secs(3_600)
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! Serving a port's connections with hyper: each accepted connection (`listener`) is served
 //! on a task of its own until the port stops, then every connection is asked to finish the
 //! calls it has in progress and close (a graceful shutdown: GOAWAY on HTTP/2, `Connection:
-//! close` on HTTP/1), and serving ends once all have.
+//! close` on HTTP/1), and serving ends once all have. A gRPC connection is also shut down
+//! so once it reaches its maximum age, as the reference's are (`GRPC_MAX_CONNECTION_AGE`).
 //!
 //! The gRPC port is served here too, not by `tonic::transport::Server`: that wraps every call
 //! in layers this service does without, each a cost on every call (measured under callgrind
@@ -12,15 +13,17 @@
 //! as Envoy's do), and a `date` header on every answer, which HTTP/2 then checks and
 //! encodes, and which a gRPC client never reads. What tonic's server did that turnstile
 //! needs is here: HTTP/2 keepalive and a cap on concurrent streams, the caller's details
-//! for each call, errors of the other services answered as gRPC statuses (`grpc_stack` in
-//! `server`), and the graceful shutdown.
+//! for each call, errors of the other services answered as gRPC statuses (the stack in
+//! `server`), the graceful shutdown, and a connection's maximum age.
 
+use std::pin::pin;
 use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::{GracefulConnection, GracefulShutdown};
+use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
 use tonic::body::Body;
 use tower::util::Oneshot;
 use tower::{Service, ServiceExt};
@@ -28,34 +31,90 @@ use tower::{Service, ServiceExt};
 use crate::listener::{Conn, Incoming as Connections};
 use crate::peers::Caller;
 
-/// Serve the connections of `incoming`, each as `connect` makes it, until `stop` turns
-/// true; then stop accepting, shut every connection down gracefully and return once all are
-/// closed.
+/// How long a connection may stay open: past `age` (give or take a tenth, drawn for each
+/// connection) it is asked to close, and past `grace` more it is closed.
+#[derive(Clone, Copy)]
+pub struct MaxAge {
+    pub age: Duration,
+    pub grace: Duration,
+}
+
+impl MaxAge {
+    /// This connection's age: `age` ± 10 %, so that connections opened together (all of an
+    /// Envoy's, at its start) do not all reconnect at once.
+    fn drawn(&self) -> Duration {
+        self.age.mul_f64(fastrand::f64().mul_add(0.2, 0.9))
+    }
+}
+
+/// Serve the connections of `incoming`, each as `connect` makes it (and for at most
+/// `max_age`), until `stop` turns true; then stop accepting, shut every connection down
+/// gracefully and return once all are closed.
 pub async fn connections<C>(
     mut incoming: Connections,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    max_age: Option<MaxAge>,
     mut connect: impl FnMut(Conn) -> C,
 ) where
     C: GracefulConnection + Send + 'static,
-    C::Error: std::fmt::Display,
+    C::Error: std::fmt::Display + Send,
 {
-    let graceful = GracefulShutdown::new();
+    let mut open = JoinSet::new();
+    let mut until = stop.clone();
     loop {
         let conn = tokio::select! {
-            _ = stop.wait_for(|stop| *stop) => break,
+            () = stopped(&mut until) => break,
+            Some(_) = open.join_next(), if !open.is_empty() => continue,
             conn = incoming.next() => conn,
         };
         let Some(conn) = conn else { break };
-        let connection = graceful.watch(connect(conn));
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "connection ended");
-            }
-        });
+        open.spawn(serve(connect(conn), stop.clone(), max_age));
     }
     // Closes the listener once every server dropped its stream.
     drop(incoming);
-    graceful.shutdown().await;
+    while open.join_next().await.is_some() {}
+}
+
+/// One connection, until it ends, or is shut down gracefully once `stop` turns true or it
+/// has reached its age (then closed when its grace is over).
+async fn serve<C>(connection: C, mut stop: watch::Receiver<bool>, max_age: Option<MaxAge>)
+where
+    C: GracefulConnection,
+    C::Error: std::fmt::Display,
+{
+    let mut connection = pin!(connection);
+    // Its grace, once it is old.
+    let aged = async {
+        match max_age {
+            Some(max_age) => {
+                tokio::time::sleep(max_age.drawn()).await;
+                max_age.grace
+            }
+            None => std::future::pending().await,
+        }
+    };
+    let ended = tokio::select! {
+        ended = connection.as_mut() => ended,
+        () = stopped(&mut stop) => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+        grace = aged => {
+            connection.as_mut().graceful_shutdown();
+            match tokio::time::timeout(grace, connection).await {
+                Ok(ended) => ended,
+                Err(_) => return tracing::debug!("connection closed: its age's grace is over"),
+            }
+        }
+    };
+    if let Err(error) = ended {
+        tracing::debug!(%error, "connection ended");
+    }
+}
+
+/// Once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
 }
 
 /// How the gRPC port serves HTTP/2.

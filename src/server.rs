@@ -437,6 +437,10 @@ async fn run<B: Backend>(
         keepalive_timeout: args.grpc_keepalive_timeout,
         max_streams: args.grpc_max_streams,
     };
+    let max_age = serve::MaxAge {
+        age: args.grpc_max_connection_age,
+        grace: args.grpc_max_connection_age_grace,
+    };
     for (n, handoff) in handoffs.into_iter().enumerate() {
         // A call's way in, outermost first: its metrics; `ShouldRateLimit` answered by the
         // edge; any other method (health, RLQS) within the cap on calls in flight, refused
@@ -475,9 +479,12 @@ async fn run<B: Backend>(
                         // The handoff registers sockets with the runtime it is taken on.
                         runtime.block_on(async move {
                             tokio::spawn(crate::allocator::give_back());
-                            serve::connections(handoff.serve_here(), stopped, |conn| {
-                                http2.connection(conn, stack.clone())
-                            })
+                            serve::connections(
+                                handoff.serve_here(),
+                                stopped,
+                                Some(max_age),
+                                |conn| http2.connection(conn, stack.clone()),
+                            )
                             .await;
                         });
                     })

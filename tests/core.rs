@@ -1731,6 +1731,68 @@ mod connections {
         );
     }
 
+    /// A gRPC connection past its maximum age (`GRPC_MAX_CONNECTION_AGE`, 600 ms ± 10 % here)
+    /// is asked to close (GOAWAY) and closes once its calls are done; one whose call is still
+    /// open when its grace ends (`GRPC_MAX_CONNECTION_AGE_GRACE`, 600 ms) is closed then, the
+    /// call cut. Rows: what the connection holds, and when it must close after opening (a
+    /// second's margin for a busy machine on the late side).
+    #[tokio::test]
+    async fn a_grpc_connection_closes_at_its_maximum_age_or_when_its_grace_ends() {
+        use prost::Message;
+
+        use super::SHOULD_RATE_LIMIT;
+        use crate::support::raw::{RawBody, framed, raw_connection};
+
+        let (_rules, t) = start(&[
+            "--grpc-max-connection-age",
+            "600ms",
+            "--grpc-max-connection-age-grace",
+            "600ms",
+            "--request-timeout",
+            "10s",
+        ])
+        .await;
+        let message = request("test", vec![descriptor(&[("unlimited", "x")])]).encode_to_vec();
+        let ms = Duration::from_millis;
+        let rows = [
+            ("idle", false, ms(540)..ms(1_660)),
+            (
+                "a call whose message never ends",
+                true,
+                ms(1_140)..ms(2_260),
+            ),
+        ];
+        for (name, stalled, within) in rows {
+            let opened = Instant::now();
+            let (mut send, driver) = raw_connection(&t).await;
+            let call = stalled.then(|| {
+                let body = RawBody {
+                    data: Some(framed(0, message.len() + 1, &message)),
+                    stall: true,
+                    ..Default::default()
+                };
+                let request = http::Request::post(format!("http://turnstile{SHOULD_RATE_LIMIT}"))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .body(body)
+                    .unwrap();
+                send.send_request(request)
+            });
+            let closed = tokio::time::timeout(Duration::from_secs(5), driver).await;
+            let after = opened.elapsed();
+            assert!(closed.is_ok(), "{name}: still open after {after:?}");
+            assert!(within.contains(&after), "{name}: closed after {after:?}");
+            if let Some(call) = call {
+                let answer = call.await;
+                assert!(answer.is_err(), "{name}: the stalled call got {answer:?}");
+            }
+        }
+        assert!(
+            new_connection_answers_within(&t, Duration::from_secs(2)).await,
+            "a new connection is served"
+        );
+    }
+
     /// Wait (5 s at most) until the server counts `open` gRPC connections: one a client
     /// closed counts until the server has seen it close.
     async fn until_grpc_open(t: &Turnstile, open: f64) {

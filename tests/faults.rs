@@ -1099,7 +1099,10 @@ async fn past_the_in_flight_cap_other_methods_are_refused_with_a_status() {
             "a call held by the frozen Redis: {answer:?}"
         );
     }
-    assert!(refused > 0, "no health check was refused while the cap was full");
+    assert!(
+        refused > 0,
+        "no health check was refused while the cap was full"
+    );
     assert_eq!(check().await.ok(), Some(ServingStatus::Serving as i32));
 }
 
