@@ -1040,25 +1040,27 @@ async fn the_in_flight_caps_refuse_the_excess_at_once() {
     }
 }
 
+/// A call that reaches a frozen Redis waits 1 s for it, with a breaker that never opens.
+const HELD_BY_A_FROZEN_REDIS: [&str; 6] = [
+    "--redis-timeout",
+    "1s",
+    "--breaker-failures",
+    "1000000",
+    "--request-timeout",
+    "5s",
+];
+
 /// Past the cap on calls in flight the other methods are refused at once too, with a gRPC
 /// status, not a reset stream: Redis frozen holds two ShouldRateLimit calls in
-/// (`--max-in-flight 2`), while for 0.9 s a gRPC health check every 20 ms is answered either SERVING or
-/// RESOURCE_EXHAUSTED, refused at least once; once the two are out, it is SERVING again.
+/// (`--max-in-flight 2`), while for 0.9 s a gRPC health check every 20 ms is answered either
+/// SERVING or RESOURCE_EXHAUSTED, refused at least once; once the two are out, it is SERVING
+/// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_in_flight_cap_other_methods_are_refused_with_a_status() {
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let flags = [
-        "--redis-timeout",
-        "1s",
-        "--breaker-failures",
-        "1000000",
-        "--request-timeout",
-        "5s",
-        "--max-in-flight",
-        "2",
-    ];
+    let flags = [&HELD_BY_A_FROZEN_REDIS[..], &["--max-in-flight", "2"]].concat();
     let t = on_redis(&redis, &rules, &flags).await;
     let mut health = HealthClient::new(t.channel().await);
     let mut check = async move || {
@@ -1110,15 +1112,7 @@ async fn in_flight_cap_refuses_the_excess_at_once(caps: &[&str], refusal: &str) 
     let _serial = load::serial().await;
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let mut flags = vec![
-        "--redis-timeout",
-        "1s",
-        "--breaker-failures",
-        "1000000",
-        "--request-timeout",
-        "5s",
-    ];
-    flags.extend_from_slice(caps);
+    let flags = [&HELD_BY_A_FROZEN_REDIS[..], caps].concat();
     let mut t = on_redis(&redis, &rules, &flags).await;
     let signal = request("faults", vec![descriptor(&[("signal", "cap")])]);
     let mut targets = Vec::new();
