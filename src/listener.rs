@@ -456,6 +456,11 @@ struct Stall {
 }
 
 impl Conn {
+    /// Who the connection's calls come from.
+    pub fn caller(&self) -> Caller {
+        self.caller.clone()
+    }
+
     fn before_write(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
         match &mut self.coalesce {
             Some(coalesce) => coalesce.before_write(cx, len),
@@ -488,13 +493,6 @@ impl Conn {
             ))),
             Poll::Pending => Poll::Pending,
         }
-    }
-}
-
-impl Conn {
-    /// Who the connection's calls come from.
-    pub fn caller(&self) -> Caller {
-        self.caller.clone()
     }
 }
 
