@@ -1741,7 +1741,7 @@ mod connections {
         use prost::Message;
 
         use super::SHOULD_RATE_LIMIT;
-        use crate::support::raw::{RawBody, framed, raw_connection};
+        use crate::support::raw::{RawBody, framed, raw_connection, raw_request};
 
         let (_rules, t) = start(&[
             "--grpc-max-connection-age",
@@ -1771,12 +1771,8 @@ mod connections {
                     stall: true,
                     ..Default::default()
                 };
-                let request = http::Request::post(format!("http://turnstile{SHOULD_RATE_LIMIT}"))
-                    .header("content-type", "application/grpc")
-                    .header("te", "trailers")
-                    .body(body)
-                    .unwrap();
-                send.send_request(request)
+                // The caller would wait an hour: the 10 s request timeout bounds the call.
+                send.send_request(raw_request(SHOULD_RATE_LIMIT, "1H", body))
             });
             let closed = tokio::time::timeout(Duration::from_secs(5), driver).await;
             let after = opened.elapsed();

@@ -47,6 +47,17 @@ pub async fn raw_connection(
     (send, tokio::spawn(connection))
 }
 
+/// A gRPC request for the method at `path`, with the caller's `grpc_timeout` and `body` as
+/// it is.
+pub fn raw_request(path: &str, grpc_timeout: &str, body: RawBody) -> http::Request<RawBody> {
+    http::Request::post(format!("http://turnstile{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", grpc_timeout)
+        .body(body)
+        .unwrap()
+}
+
 /// Call the gRPC method at `path` over `send` with `body` as it is and the caller's
 /// `grpc_timeout`; its gRPC status, from the headers (trailers-only) or the trailers.
 pub async fn raw_call(
@@ -56,12 +67,7 @@ pub async fn raw_call(
     body: RawBody,
 ) -> tonic::Status {
     use http_body::Body as _;
-    let request = http::Request::post(format!("http://turnstile{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-timeout", grpc_timeout)
-        .body(body)
-        .unwrap();
+    let request = raw_request(path, grpc_timeout, body);
     tokio::time::timeout(Duration::from_secs(5), async {
         let response = send.send_request(request).await.unwrap();
         let (parts, mut body) = response.into_parts();
