@@ -32,7 +32,7 @@
 //! never waits for a place.
 
 use std::future::Future;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -61,6 +61,8 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
 pub const PREFIX: usize = 5;
 
@@ -78,17 +80,18 @@ pub struct Places {
     pub costly: Arc<Semaphore>,
 }
 
-/// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`, each
-/// call holding its `places`.
-pub struct ShouldRateLimitLayer<B> {
+/// What the edge answers every call with, shared by a serving thread's connections.
+pub struct Edge<B> {
     limiter: Arc<RateLimiter<B>>,
     max_message_bytes: usize,
     places: Places,
 }
 
-impl<B> ShouldRateLimitLayer<B> {
+impl<B> Edge<B> {
+    /// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`,
+    /// each call holding its `places`.
     pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize, places: Places) -> Self {
-        ShouldRateLimitLayer {
+        Edge {
             limiter,
             max_message_bytes,
             places,
@@ -96,13 +99,17 @@ impl<B> ShouldRateLimitLayer<B> {
     }
 }
 
-impl<B> Clone for ShouldRateLimitLayer<B> {
-    fn clone(&self) -> Self {
-        ShouldRateLimitLayer {
-            limiter: Arc::clone(&self.limiter),
-            max_message_bytes: self.max_message_bytes,
-            places: self.places.clone(),
-        }
+/// The edge on one connection, whose calls all come from `caller`: a connection knows its
+/// peer, so its calls need not carry it (only those for the inner service do, in their
+/// extensions, for RLQS).
+pub struct ShouldRateLimitLayer<B> {
+    edge: Arc<Edge<B>>,
+    caller: Caller,
+}
+
+impl<B> ShouldRateLimitLayer<B> {
+    pub fn new(edge: Arc<Edge<B>>, caller: Caller) -> Self {
+        ShouldRateLimitLayer { edge, caller }
     }
 }
 
@@ -112,36 +119,44 @@ impl<S, B> Layer<S> for ShouldRateLimitLayer<B> {
     fn layer(&self, inner: S) -> Self::Service {
         ShouldRateLimit {
             inner,
-            edge: self.clone(),
+            edge: Arc::clone(&self.edge),
+            caller: self.caller.clone(),
         }
     }
 }
 
 pub struct ShouldRateLimit<S, B> {
     inner: S,
-    edge: ShouldRateLimitLayer<B>,
+    edge: Arc<Edge<B>>,
+    caller: Caller,
 }
 
 impl<S: Clone, B> Clone for ShouldRateLimit<S, B> {
     fn clone(&self) -> Self {
         ShouldRateLimit {
             inner: self.inner.clone(),
-            edge: self.edge.clone(),
+            edge: Arc::clone(&self.edge),
+            caller: self.caller.clone(),
         }
     }
 }
 
-type Answered = Pin<Box<dyn Future<Output = http::Response<Body>> + Send>>;
+type Answered = Pin<Box<dyn Future<Output = http::Response<Answer>> + Send>>;
 
 /// Always ready: this edge waits for nothing before a call, and readiness taken from the
 /// inner service (a place among the calls in flight, say) would be held for calls that never
 /// reach it. A call for the inner service gets a clone of it, readied for that call alone.
-impl<S, B> Service<http::Request<Body>> for ShouldRateLimit<S, B>
+///
+/// The request's body is the connection's own (not boxed, as the inner service takes it):
+/// every call has one.
+impl<S, B, R> Service<http::Request<R>> for ShouldRateLimit<S, B>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone,
     B: Backend,
+    R: http_body::Body<Data = Bytes> + Send + 'static,
+    R::Error: Into<BoxError>,
 {
-    type Response = http::Response<Body>;
+    type Response = http::Response<Answer>;
     type Error = S::Error;
     type Future = Routed<Oneshot<S, http::Request<Body>>>;
 
@@ -149,11 +164,15 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, request: http::Request<R>) -> Self::Future {
         if request.uri().path() != SHOULD_RATE_LIMIT {
+            let mut request = request.map(Body::new);
+            request.extensions_mut().insert(self.caller.clone());
             return Routed::Inner(Box::pin(self.inner.clone().oneshot(request)));
         }
-        Routed::Here(Box::pin(self.edge.clone().answer(request)))
+        Routed::Here(Box::pin(
+            Arc::clone(&self.edge).answer(request, self.caller.clone()),
+        ))
     }
 }
 
@@ -168,20 +187,31 @@ impl<F, E> Future for Routed<F>
 where
     F: Future<Output = Result<http::Response<Body>, E>>,
 {
-    type Output = F::Output;
+    type Output = Result<http::Response<Answer>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
-            Routed::Inner(inner) => inner.as_mut().poll(cx),
+            Routed::Inner(inner) => inner
+                .as_mut()
+                .poll(cx)
+                .map_ok(|response| response.map(Answer::Other)),
             Routed::Here(answer) => answer.as_mut().poll(cx).map(Ok),
         }
     }
 }
 
-impl<B: Backend> ShouldRateLimitLayer<B> {
-    async fn answer(self, request: http::Request<Body>) -> http::Response<Body> {
+impl<B: Backend> Edge<B> {
+    async fn answer<R>(
+        self: Arc<Self>,
+        request: http::Request<R>,
+        caller: Caller,
+    ) -> http::Response<Answer>
+    where
+        R: http_body::Body<Data = Bytes>,
+        R::Error: Into<BoxError>,
+    {
         pacemaker::call_begins();
-        let (mut parts, body) = request.into_parts();
+        let (parts, body) = request.into_parts();
         // The request timeout bounds every call, whatever its caller would wait.
         let longest = self.limiter.request_timeout();
         let timeout = parts
@@ -205,22 +235,14 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
             }
         };
         let places = &self.places;
-        // Set by the listener on every connection it serves.
-        let caller = parts.extensions.remove::<Caller>();
-        let _from_peer = match &caller {
-            Some(caller) => match caller.call(places.per_peer) {
-                Some(place) => Some(place),
-                None => {
-                    return Status::resource_exhausted(format!(
-                        "{} calls in flight from {}, the most one peer address may have \
-                         (--max-in-flight-per-peer)",
-                        places.per_peer,
-                        caller.remote.ip()
-                    ))
-                    .into_http();
-                }
-            },
-            None => None,
+        let Some(_from_peer) = caller.call(places.per_peer) else {
+            return Status::resource_exhausted(format!(
+                "{} calls in flight from {}, the most one peer address may have \
+                 (--max-in-flight-per-peer)",
+                places.per_peer,
+                caller.remote.ip()
+            ))
+            .into_http();
         };
         let Ok(_in_flight) = places.in_flight.try_acquire() else {
             return Status::resource_exhausted("too many calls in flight").into_http();
@@ -257,17 +279,22 @@ impl<B: Backend> ShouldRateLimitLayer<B> {
 /// message would be ignored. Envoy ends the stream with the message's frame, so it waits for
 /// nothing more; a client that leaves its stream open after the message waits until it ends
 /// it (or the call's deadline), as gRPC servers do for a unary call.
-async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
+async fn read_message<R>(body: R, max: usize) -> Result<Bytes, Status>
+where
+    R: http_body::Body<Data = Bytes>,
+    R::Error: Into<BoxError>,
+{
+    let mut body = pin!(body);
     let mut buffered = BytesMut::new();
     let message = loop {
-        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        let frame = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await;
         let data = match frame {
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => data,
                 // Request trailers carry nothing a decision reads.
                 Err(_) => continue,
             },
-            Some(Err(status)) => return Err(status),
+            Some(Err(error)) => return Err(Status::from_error(error.into())),
             None => {
                 return Err(Status::invalid_argument(format!(
                     "the request's body ended after {} bytes, before its message",
@@ -290,9 +317,9 @@ async fn read_message(mut body: Body, max: usize) -> Result<Bytes, Status> {
         }
     };
     while !body.is_end_stream() {
-        match std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        match std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
             Some(Ok(frame)) => only_message(frame.data_ref().map_or(0, Bytes::len))?,
-            Some(Err(status)) => return Err(status),
+            Some(Err(error)) => return Err(Status::from_error(error.into())),
             None => break,
         }
     }
@@ -351,8 +378,8 @@ fn frame(message: &impl Message) -> Bytes {
 }
 
 /// An OK answer carrying `framed`.
-fn ok(framed: Bytes) -> http::Response<Body> {
-    let mut response = http::Response::new(Body::new(Answer::Message(framed)));
+fn ok(framed: Bytes) -> http::Response<Answer> {
+    let mut response = http::Response::new(Answer::Message(framed));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/grpc"),
@@ -360,11 +387,16 @@ fn ok(framed: Bytes) -> http::Response<Body> {
     response
 }
 
-/// An OK answer's body: its message, then the trailers saying OK.
-enum Answer {
+/// A call's body as it is answered: an OK answer's message, then the trailers saying OK;
+/// nothing more (`Done`, also the body of an error answer, whose status is in its headers);
+/// or the inner service's body. An enum, not a boxed body, since every call has one.
+#[derive(Default)]
+pub enum Answer {
     Message(Bytes),
     Trailers,
+    #[default]
     Done,
+    Other(Body),
 }
 
 impl http_body::Body for Answer {
@@ -373,26 +405,40 @@ impl http_body::Body for Answer {
 
     fn poll_frame(
         self: Pin<&mut Self>,
-        _: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
-        let frame = match std::mem::replace(this, Answer::Done) {
+        let frame = match this {
             Answer::Message(message) => {
+                let message = std::mem::take(message);
                 *this = Answer::Trailers;
                 Frame::data(message)
             }
             Answer::Trailers => {
+                *this = Answer::Done;
                 let mut trailers = HeaderMap::with_capacity(1);
                 trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
                 Frame::trailers(trailers)
             }
             Answer::Done => return Poll::Ready(None),
+            Answer::Other(body) => return Pin::new(body).poll_frame(cx),
         };
         Poll::Ready(Some(Ok(frame)))
     }
 
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Answer::Other(body) => body.size_hint(),
+            _ => http_body::SizeHint::default(),
+        }
+    }
+
     fn is_end_stream(&self) -> bool {
-        matches!(self, Answer::Done)
+        match self {
+            Answer::Done => true,
+            Answer::Other(body) => body.is_end_stream(),
+            Answer::Message(_) | Answer::Trailers => false,
+        }
     }
 }
 

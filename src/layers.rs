@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::metrics::Metrics;
+use crate::metrics::{GrpcMethod, Metrics};
 
 /// Counts calls and observes their latency, per gRPC method (the last path segment).
 #[derive(Clone)]
@@ -44,24 +45,43 @@ pub struct GrpcMetrics<S> {
 impl<S, B> Service<http::Request<B>> for GrpcMetrics<S>
 where
     S: Service<http::Request<B>>,
-    S::Future: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Observed<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let method = self.metrics.grpc_method(request.uri().path());
-        let started = Instant::now();
-        let call = self.inner.call(request);
-        Box::pin(async move {
-            let result = call.await;
-            method.observe(started.elapsed());
-            result
-        })
+        Observed {
+            method: Metrics::grpc_method(request.uri().path()),
+            started: Instant::now(),
+            metrics: Arc::clone(&self.metrics),
+            call: self.inner.call(request),
+        }
+    }
+}
+
+pin_project! {
+    /// A call, observed once it is answered (not boxed: every call has one).
+    pub struct Observed<F> {
+        #[pin]
+        call: F,
+        method: GrpcMethod,
+        started: Instant,
+        metrics: Arc<Metrics>,
+    }
+}
+
+impl<F: Future> Future for Observed<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let answered = std::task::ready!(this.call.poll(cx));
+        this.metrics.observe(*this.method, this.started.elapsed());
+        Poll::Ready(answered)
     }
 }

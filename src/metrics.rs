@@ -88,18 +88,15 @@ pub struct RuleHit<'a> {
 }
 
 /// Calls and latency of one gRPC method.
-#[derive(Clone)]
-pub struct MethodMetrics {
+struct MethodMetrics {
     total_requests: Counter,
     response_time: Histogram,
 }
 
-impl MethodMetrics {
-    pub fn observe(&self, elapsed: Duration) {
-        self.total_requests.increment(1);
-        self.response_time.record(elapsed.as_secs_f64());
-    }
-}
+/// Which of `GRPC_METHODS` a call is, for `Metrics::observe`: an index, so that a call in
+/// flight holds no handles of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcMethod(usize);
 
 /// Connections of one listening port: open now, closed at accept because the port was full,
 /// and closed before they were served (no valid TLS handshake or HTTP/2 preface in time).
@@ -459,13 +456,26 @@ impl Metrics {
     }
 
     /// Series for the gRPC method of a request path (`/package.Service/Method`).
-    pub fn grpc_method(&self, path: &str) -> MethodMetrics {
-        let method = path.rsplit('/').next().unwrap_or_default();
-        let index = GRPC_METHODS
-            .iter()
-            .position(|m| *m == method)
-            .unwrap_or(GRPC_METHODS.len() - 1);
-        self.methods[index].clone()
+    /// The method a call to `path` is counted as.
+    pub fn grpc_method(path: &str) -> GrpcMethod {
+        // The path's last segment, compared from its end: no scan for the last '/'.
+        let is = |method: &str| {
+            path.strip_suffix(method)
+                .is_some_and(|rest| rest.is_empty() || rest.ends_with('/'))
+        };
+        GrpcMethod(
+            GRPC_METHODS
+                .iter()
+                .position(|m| is(m))
+                .unwrap_or(GRPC_METHODS.len() - 1),
+        )
+    }
+
+    /// One call of `method`, answered in `elapsed`.
+    pub fn observe(&self, method: GrpcMethod, elapsed: Duration) {
+        let method = &self.methods[method.0];
+        method.total_requests.increment(1);
+        method.response_time.record(elapsed.as_secs_f64());
     }
 
     /// The circuit breaker moved to `state` ("open" or "closed").
@@ -528,6 +538,30 @@ mod tests {
             admitted,
             remaining,
             reset_after: Duration::from_secs(1),
+        }
+    }
+
+    /// A call counts as the method its path ends with, whole; any other as "other".
+    #[test]
+    fn a_call_counts_as_its_paths_last_segment() {
+        let rows = [
+            (
+                "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                "ShouldRateLimit",
+            ),
+            ("/grpc.health.v1.Health/Check", "Check"),
+            ("/grpc.health.v1.Health/Watch", "Watch"),
+            ("ShouldRateLimit", "ShouldRateLimit"),
+            ("/a.B/NotShouldRateLimit", "other"),
+            ("/a.B/ShouldRateLimit/", "other"),
+            (
+                "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+                "other",
+            ),
+        ];
+        for (path, method) in rows {
+            let GrpcMethod(index) = Metrics::grpc_method(path);
+            assert_eq!(GRPC_METHODS[index], method, "{path}");
         }
     }
 

@@ -73,8 +73,9 @@ impl Drop for FromPeer {
     }
 }
 
-/// Who a call comes from, as the connection it came on knows (tonic puts it in each call's
-/// extensions): the peer's address, and the calls in flight of all that peer's connections.
+/// Who a call comes from, as the connection it came on knows: the peer's address, and the
+/// calls in flight of all that peer's connections. The edge of the connection's stack holds
+/// it, and gives it to other methods' calls in their extensions.
 #[derive(Clone)]
 pub struct Caller {
     pub remote: SocketAddr,

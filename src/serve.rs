@@ -12,9 +12,10 @@
 //! the call, where tonic's layer armed a second timer for each call that carries one, as
 //! Envoy's do), and a `date` header on every answer, which HTTP/2 then checks and encodes,
 //! and which a gRPC client never reads. What tonic's server did that turnstile needs is
-//! here: HTTP/2 keepalive and a cap on concurrent streams, the caller's details for each
-//! call, errors of the other services answered as gRPC statuses (the stack in `server`),
-//! the graceful shutdown, and a connection's maximum age.
+//! here: HTTP/2 keepalive and a cap on concurrent streams, the caller's details (each
+//! connection's stack is made for its peer, in `server`), errors of the other services
+//! answered as gRPC statuses (also the stack), the graceful shutdown, and a connection's
+//! maximum age.
 
 use std::pin::pin;
 use std::time::Duration;
@@ -22,14 +23,12 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
+use hyper_util::service::TowerToHyperService;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tonic::body::Body;
-use tower::util::Oneshot;
-use tower::{Service, ServiceExt};
+use tower::Service;
 
 use crate::listener::{Conn, Incoming as Connections};
-use crate::peers::Caller;
 
 /// How long a connection may stay open: past `age` (give or take a tenth, drawn for each
 /// connection) it is asked to close, and past `grace` more it is closed.
@@ -129,18 +128,20 @@ pub struct Http2 {
 }
 
 impl Http2 {
-    /// The connection `conn`, serving its calls with `stack`.
-    pub fn connection<S>(
+    /// The connection `conn`, serving its calls with `stack` (cloned for each call).
+    pub fn connection<S, B>(
         &self,
         conn: Conn,
         stack: S,
-    ) -> hyper::server::conn::http2::Connection<TokioIo<Conn>, Calls<S>, TokioExecutor>
+    ) -> hyper::server::conn::http2::Connection<TokioIo<Conn>, TowerToHyperService<S>, TokioExecutor>
     where
-        S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+        S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + 'static,
         S::Future: Send + 'static,
         S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let caller = conn.caller();
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .keep_alive_interval(self.keepalive_interval)
@@ -148,28 +149,6 @@ impl Http2 {
             .max_concurrent_streams(self.max_streams)
             // A gRPC client reads no date; HTTP/2 would check and encode one on every answer.
             .auto_date_header(false)
-            .serve_connection(TokioIo::new(conn), Calls { stack, caller })
-    }
-}
-
-/// One gRPC connection's calls: each is told who it comes from (`Caller`, which `grpc` and
-/// `rlqs` read), and served by a clone of the stack.
-pub struct Calls<S> {
-    stack: S,
-    caller: Caller,
-}
-
-impl<S> hyper::service::Service<http::Request<Incoming>> for Calls<S>
-where
-    S: Service<http::Request<Body>> + Clone,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Oneshot<S, http::Request<Body>>;
-
-    fn call(&self, request: http::Request<Incoming>) -> Self::Future {
-        let mut request = request.map(Body::new);
-        request.extensions_mut().insert(self.caller.clone());
-        self.stack.clone().oneshot(request)
+            .serve_connection(TokioIo::new(conn), TowerToHyperService::new(stack))
     }
 }

@@ -32,7 +32,7 @@ use crate::cli::{
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
 use crate::fallback::Fallback;
-use crate::grpc::{Places, ShouldRateLimitLayer};
+use crate::grpc::{Edge, Places, ShouldRateLimitLayer};
 use crate::health::{Health, Requirements};
 use crate::layers::GrpcMetricsLayer;
 use crate::listener::{self, Handshake, Port};
@@ -444,18 +444,18 @@ async fn run<B: Backend>(
     for (n, handoff) in handoffs.into_iter().enumerate() {
         // A call's way in, outermost first: its metrics; `ShouldRateLimit` answered by the
         // edge; any other method (health, RLQS) within the cap on calls in flight, refused
-        // at once past it, its errors answered as gRPC statuses.
-        let stack = tower::ServiceBuilder::new()
-            .layer(GrpcMetricsLayer::new(metrics.clone()))
-            .layer(ShouldRateLimitLayer::new(
-                limiter.clone(),
-                args.max_message_bytes,
-                Places {
-                    in_flight: in_flight.clone(),
-                    per_peer: args.max_in_flight_per_peer,
-                    costly: costly.clone(),
-                },
-            ))
+        // at once past it, its errors answered as gRPC statuses. The first two are made for
+        // each connection, which tells the edge who its calls come from.
+        let edge = Arc::new(Edge::new(
+            limiter.clone(),
+            args.max_message_bytes,
+            Places {
+                in_flight: in_flight.clone(),
+                per_peer: args.max_in_flight_per_peer,
+                costly: costly.clone(),
+            },
+        ));
+        let inner = tower::ServiceBuilder::new()
             .map_response(|response: http::Response<_>| response.map(tonic::body::Body::new))
             .layer(RecoverErrorLayer::new())
             .load_shed()
@@ -467,6 +467,13 @@ async fn run<B: Backend>(
                     .add_service(quota.server(args.max_message_bytes))
                     .prepare(),
             );
+        let metrics = metrics.clone();
+        let stack = move |caller| {
+            tower::ServiceBuilder::new()
+                .layer(GrpcMetricsLayer::new(metrics.clone()))
+                .layer(ShouldRateLimitLayer::new(edge.clone(), caller))
+                .service(inner.clone())
+        };
         let stopped = stopped.clone();
         let (done, served) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -483,7 +490,10 @@ async fn run<B: Backend>(
                                 handoff.serve_here(),
                                 stopped,
                                 Some(max_age),
-                                |conn| http2.connection(conn, stack.clone()),
+                                |conn| {
+                                    let caller = conn.caller();
+                                    http2.connection(conn, stack(caller))
+                                },
                             )
                             .await;
                         });
