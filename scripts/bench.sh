@@ -77,20 +77,9 @@ OUT="target/bench/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
 : >"$RESULTS"
-TMP="$(mktemp -d)"
-
-PIDS=()
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do
-    kill "$pid" 2>/dev/null || true
-  done
-  for pid in "${PIDS[@]}"; do
-    wait "$pid" 2>/dev/null || true
-  done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+# TMP, PIDS and their cleanup on exit, and free_port.
+# shellcheck source=scripts/processes.sh
+. scripts/processes.sh
 trap 'exit 130' INT TERM
 
 log() { printf '[bench %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -102,20 +91,6 @@ stop() {
   wait "$pid" 2>/dev/null || true
   for p in "${PIDS[@]}"; do [ "$p" = "$pid" ] || keep+=("$p"); done
   PIDS=("${keep[@]}")
-}
-
-free_port() {
-  python3 - <<'EOF'
-import socket
-while True:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    if port != 6379:
-        print(port)
-        break
-EOF
 }
 
 # ---------------------------------------------------------------------------------------

@@ -11,8 +11,29 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# free_port: a loopback port nothing holds, below the kernel's range of ephemeral ports. One
+# the kernel hands out (bind to port 0) can go to a load's outgoing connection before the
+# server meant to listen on it binds it: a full run once lost its last part that way.
 free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 - <<'EOF'
+import random, socket
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        ephemeral = int(ranges.read().split()[0])
+except OSError:
+    ephemeral = 32768
+for _ in range(1000):
+    port = random.randrange(10000, ephemeral)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+    break
+else:
+    raise SystemExit("no free loopback port below the ephemeral range")
+EOF
 }
 
 # start_redis PORT: a redis-server on 127.0.0.1:PORT that keeps nothing on disk (its log in
