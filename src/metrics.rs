@@ -455,8 +455,7 @@ impl Metrics {
         }
     }
 
-    /// Series for the gRPC method of a request path (`/package.Service/Method`).
-    /// The method a call to `path` is counted as.
+    /// The method a call to `path` (`/package.Service/Method`) is counted as.
     pub fn grpc_method(path: &str) -> GrpcMethod {
         // The path's last segment, compared from its end: no scan for the last '/'.
         let is = |method: &str| {
