@@ -45,7 +45,7 @@ use tokio::sync::Semaphore;
 use tonic::Status;
 use tonic::body::Body;
 use tower::util::Oneshot;
-use tower::{Layer, Service, ServiceExt};
+use tower::{BoxError, Layer, Service, ServiceExt};
 
 use crate::backend::Backend;
 use crate::deadline::{Deadline, grpc_timeout};
@@ -60,8 +60,6 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 /// parsed and validated on every lookup or insert.
 static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A gRPC message's prefix: the compressed flag and the length (big-endian u32).
 pub const PREFIX: usize = 5;
@@ -80,7 +78,7 @@ pub struct Places {
     pub costly: Arc<Semaphore>,
 }
 
-/// What the edge answers every call with, shared by a serving thread's connections.
+/// What the edge answers every call with, shared by every connection.
 pub struct Edge<B> {
     limiter: Arc<RateLimiter<B>>,
     max_message_bytes: usize,

@@ -26,7 +26,7 @@ use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tower::Service;
+use tower::{BoxError, Service};
 
 use crate::listener::{Conn, Incoming as Connections};
 
@@ -137,10 +137,10 @@ impl Http2 {
     where
         S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + 'static,
         S::Future: Send + 'static,
-        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S::Error: Into<BoxError>,
         B: http_body::Body + Send + 'static,
         B::Data: Send,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B::Error: Into<BoxError>,
     {
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())

@@ -441,20 +441,21 @@ async fn run<B: Backend>(
         age: args.grpc_max_connection_age,
         grace: args.grpc_max_connection_age_grace,
     };
+    // What `ShouldRateLimit` is answered with, on every connection of every serving thread.
+    let edge = Arc::new(Edge::new(
+        limiter.clone(),
+        args.max_message_bytes,
+        Places {
+            in_flight: in_flight.clone(),
+            per_peer: args.max_in_flight_per_peer,
+            costly,
+        },
+    ));
     for (n, handoff) in handoffs.into_iter().enumerate() {
         // A call's way in, outermost first: its metrics; `ShouldRateLimit` answered by the
         // edge; any other method (health, RLQS) within the cap on calls in flight, refused
         // at once past it, its errors answered as gRPC statuses. The first two are made for
         // each connection, which tells the edge who its calls come from.
-        let edge = Arc::new(Edge::new(
-            limiter.clone(),
-            args.max_message_bytes,
-            Places {
-                in_flight: in_flight.clone(),
-                per_peer: args.max_in_flight_per_peer,
-                costly: costly.clone(),
-            },
-        ));
         let inner = tower::ServiceBuilder::new()
             .map_response(|response: http::Response<_>| response.map(tonic::body::Body::new))
             .layer(RecoverErrorLayer::new())
@@ -467,11 +468,11 @@ async fn run<B: Backend>(
                     .add_service(quota.server(args.max_message_bytes))
                     .prepare(),
             );
-        let metrics = metrics.clone();
+        let (metrics, edge) = (metrics.clone(), Arc::clone(&edge));
         let stack = move |caller| {
             tower::ServiceBuilder::new()
                 .layer(GrpcMetricsLayer::new(metrics.clone()))
-                .layer(ShouldRateLimitLayer::new(edge.clone(), caller))
+                .layer(ShouldRateLimitLayer::new(Arc::clone(&edge), caller))
                 .service(inner.clone())
         };
         let stopped = stopped.clone();
