@@ -14,13 +14,13 @@ use std::sync::Arc;
 use criterion::{Criterion, criterion_group, criterion_main};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use turnstile::active::ActiveRules;
 use turnstile::backend::memory::MemoryBackend;
+use turnstile::config::active::ActiveRules;
 use turnstile::config::{self, RuleSet};
-use turnstile::fallback::Fallback;
-use turnstile::metrics::Metrics;
-use turnstile::plan::Plan;
-use turnstile::request::{Bounds, CheckRequest};
+use turnstile::ops::metrics::Metrics;
+use turnstile::service::fallback::Fallback;
+use turnstile::service::plan::Plan;
+use turnstile::service::request::{Bounds, CheckRequest};
 use turnstile::service::{RateLimiter, Settings};
 use turnstile_bench::descriptor;
 

@@ -1,40 +1,21 @@
 //! turnstile: a global rate-limit service for Envoy and Istio.
 //!
-//! A request flows top to bottom through these modules: `service` receives it (over gRPC,
-//! or HTTP `/json` via `admin`), `request` validates it, `plan` matches its descriptors
-//! against the `config` rules, a `backend` evaluates the hits atomically with an
-//! `algorithm`, and `response` builds the answer.
+//! A request travels the folders top to bottom: `app` starts the process and wires the rest;
+//! `edge` accepts the connection and reads the gRPC call (or HTTP `/json`); `service`
+//! validates the request and matches its descriptors against the `config` rules; a `backend`
+//! evaluates the hits atomically with an `algorithm`; and `service` builds the answer that
+//! `edge` sends back. `rlqs` serves RLQS streams beside the rate-limit service; `ops` (metrics,
+//! statsd, logs) and `decision` (the words every layer shares) sit underneath.
+//!
+//! A folder imports only the folders below it: decision, algorithm, ops, config, backend,
+//! service, edge, rlqs, app, bottom to top.
 
-pub mod active;
-pub mod admin;
 pub mod algorithm;
-pub mod allocator;
+pub mod app;
 pub mod backend;
-pub mod bounded;
-pub mod cli;
 pub mod config;
-pub mod deadline;
 pub mod decision;
-pub mod explain;
-pub mod fallback;
-pub mod grpc;
-pub mod health;
-pub mod json;
-pub mod key;
-pub mod layers;
-pub mod limit;
-pub mod listener;
-pub mod metrics;
-pub mod pacemaker;
-pub mod peers;
-pub mod plan;
-pub mod reload;
-pub mod request;
-pub mod response;
+pub mod edge;
+pub mod ops;
 pub mod rlqs;
-pub mod serve;
-pub mod server;
 pub mod service;
-pub mod statsd;
-pub mod telemetry;
-pub mod xds;

@@ -1,15 +1,15 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use turnstile::cli::{Cli, Command};
-use turnstile::{server, telemetry};
+use turnstile::app::cli::{Cli, Command};
+use turnstile::{app::run, ops::telemetry};
 
 // glibc's malloc spent about a quarter of a call's CPU in its slow paths (fast bins
 // consolidated by every buffer-sized allocation); mimalloc keeps small allocations cheap.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn check(args: &turnstile::cli::CheckArgs) -> ExitCode {
+fn check(args: &turnstile::app::cli::CheckArgs) -> ExitCode {
     let source = args.rules.source();
     match source.load() {
         Ok(rules) => {
@@ -34,7 +34,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => check(&args),
-        Command::Explain(args) => turnstile::explain::main(&args),
+        Command::Explain(args) => turnstile::app::explain::main(&args),
         Command::RedisScript(args) => {
             // The text, and on stderr the name turnstile calls it by.
             let (text, name) = if args.library {
@@ -59,7 +59,7 @@ fn main() -> ExitCode {
                 let _entered = runtime.enter();
                 telemetry::init(&args.log_level, args.log_format)
             };
-            match runtime.block_on(server::serve(*args)) {
+            match runtime.block_on(run::serve(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     tracing::error!("{error:#}");

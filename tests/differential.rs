@@ -27,8 +27,8 @@ use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
+use turnstile::decision::limit::{Kind, Limit, Unit};
 use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
-use turnstile::limit::{Kind, Limit, Unit};
 
 /// Sequences per run, and most steps per sequence (each draws its length up to it): ~2 500
 /// requests on each backend, a few seconds on a CI runner.

@@ -17,7 +17,7 @@ use std::process::Command;
 
 use clap::{CommandFactory, Parser};
 use serde_json::{Map, Value, json};
-use turnstile::cli::{Cli, Command as Sub};
+use turnstile::app::cli::{Cli, Command as Sub};
 use yaml_rust2::{Yaml, YamlLoader};
 
 const RATELIMIT_FILTER: &str = "envoy.filters.http.ratelimit";
@@ -850,7 +850,7 @@ fn a_descriptor_no_rule_matches_is_reported() {
 // ---- Deployment files: the references between them -----------------------------------
 
 /// The serve arguments a command line gives, parsed by the binary's own parser.
-fn serve_args(args: &[&str]) -> Box<turnstile::cli::ServeArgs> {
+fn serve_args(args: &[&str]) -> Box<turnstile::app::cli::ServeArgs> {
     let cli = Cli::try_parse_from(std::iter::once("turnstile").chain(args.iter().copied()))
         .unwrap_or_else(|e| panic!("{args:?}: {e}"));
     match cli.command {

@@ -14,9 +14,9 @@ use tokio::time::sleep;
 use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::deadline::Deadline;
+use turnstile::decision::deadline::Deadline;
+use turnstile::decision::limit::{Kind, Limit, Unit};
 use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
-use turnstile::limit::{Kind, Limit, Unit};
 
 const SEC: Duration = Duration::from_secs(1);
 const MINUTE_US: u64 = 60_000_000;
@@ -1302,7 +1302,7 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
 async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuses() {
     use std::sync::Arc;
     use turnstile::backend::overlimit_cache::OverLimitCache;
-    use turnstile::metrics::Metrics;
+    use turnstile::ops::metrics::Metrics;
 
     let server = RedisServer::start();
     let metrics = Arc::new(Metrics::new(0.8, 100));

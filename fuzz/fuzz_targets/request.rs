@@ -10,9 +10,9 @@ use prost::Message;
 use turnstile::backend::memory::{DEFAULT_MAX_BYTES, MemoryBackend};
 use turnstile::config::{RuleSet, load_str};
 use turnstile::decision::Charging;
-use turnstile::plan::Plan;
-use turnstile::request::{Bounds, CheckRequest};
-use turnstile::response::{self, Headers, MetadataOn, ResponseSettings};
+use turnstile::service::plan::Plan;
+use turnstile::service::request::{Bounds, CheckRequest};
+use turnstile::service::response::{self, Headers, MetadataOn, ResponseSettings};
 
 const RULES: &str = "
 domain: d

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::{Algorithm, Micros, clamp_u32, window_micros};
 use crate::decision::{Cost, LeaseOp, Outcome};
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 pub struct Concurrency;
 
@@ -116,7 +116,7 @@ impl Algorithm for Concurrency {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::limit::{Kind, Unit};
+    use crate::decision::limit::{Kind, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
 

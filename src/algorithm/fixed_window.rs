@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{Algorithm, MICROS_PER_SECOND, Micros, clamp_u32};
 use crate::decision::{Cost, Outcome};
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 pub struct FixedWindow;
 
@@ -72,7 +72,7 @@ impl Algorithm for FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::Unit;
+    use crate::decision::limit::Unit;
 
     const T0: Micros = 1_699_999_980 * MICROS_PER_SECOND; // a minute boundary
 

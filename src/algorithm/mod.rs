@@ -6,14 +6,14 @@
 //! algorithm also has the Lua twin of the same arithmetic (`lua/<name>.lua`), which the
 //! Redis backend runs on Redis time; the memory backend calls the Rust side directly.
 //!
-//! Which algorithms exist is said once, in the registry `crate::limit::algorithms!`; this
+//! Which algorithms exist is said once, in the registry `crate::decision::limit::algorithms!`; this
 //! module expands it into the modules, the twins' sources (`Kind::lua`), the state of any
 //! algorithm (`KeyState`) and the dispatch from a `Kind` to its arithmetic, so that nothing
 //! else matches on every `Kind`. Adding an algorithm is one line there, `<name>.rs` here
 //! (with its `Algorithm` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
 
+use crate::decision::limit::{Kind, Limit, algorithms};
 use crate::decision::{Cost, Outcome};
-use crate::limit::{Kind, Limit, algorithms};
 
 /// Microseconds since the Unix epoch: the clock every algorithm reads.
 pub type Micros = u64;

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use super::Backend;
 use super::lag::Lag;
 use crate::decision::{BackendError, Charging, Hit, Outcome};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerConfig {

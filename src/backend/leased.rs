@@ -14,9 +14,9 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::bounded::Room;
+use crate::decision::bounded::Room;
+use crate::decision::limit::Limit;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
-use crate::limit::Limit;
 
 /// Units granted by Redis, not yet spent by this instance.
 struct Pool {
@@ -145,7 +145,7 @@ impl<B: Backend> Backend for Leased<B> {
 mod tests {
     use super::*;
     use crate::backend::memory::{DEFAULT_MAX_BYTES, MemoryBackend};
-    use crate::limit::Unit;
+    use crate::decision::limit::Unit;
 
     #[tokio::test]
     async fn a_full_set_of_pools_makes_room_once_a_pool_is_spent_or_lapses() {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::Backend;
 use crate::decision::{BackendError, Charging, Hit, Outcome};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 pub struct Measured<B> {
     inner: B,

@@ -391,8 +391,8 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::decision::limit::{Kind, Limit, Unit};
     use crate::decision::{LeaseOp, Role};
-    use crate::limit::{Kind, Limit, Unit};
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T0: Micros = 1_700_000_000_000_000;

@@ -20,10 +20,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::bounded::Room;
+use crate::decision::bounded::Room;
+use crate::decision::limit::Limit;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
-use crate::limit::Limit;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 const SHARDS: usize = 16;
 
@@ -189,7 +189,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
 mod tests {
     use super::*;
     use crate::decision::LeaseOp;
-    use crate::limit::Unit;
+    use crate::decision::limit::Unit;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Refuses "hot" for an hour and admits the rest, or fails when `down`; records what it

@@ -20,7 +20,7 @@ use super::measured::Measured;
 use super::memory::MemoryBackend;
 use super::overlimit_cache::OverLimitCache;
 use super::redis::RedisBackend;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// The memory backend's stack.
 pub type MemoryStack = Breaker<Measured<MemoryBackend>>;

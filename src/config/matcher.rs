@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::decision::FailurePolicy;
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 /// Every loaded domain, and what they were loaded from; the default is no rules at all.
 #[derive(Debug, Default)]
@@ -350,7 +350,7 @@ impl Pattern {
 mod tests {
     use super::super::load_str;
     use super::*;
-    use crate::limit::Unit;
+    use crate::decision::limit::Unit;
 
     /// The reference's conformance tree (its `basic_config.yaml` table), written afresh.
     const BASIC: &str = "\

@@ -3,12 +3,19 @@
 //!
 //! Loading never stops at the first problem: every error in every file is collected, so the
 //! `check` command can list them all and a failed reload can be explained in one log line.
+//! The rule set in force (`active`) is swapped whole when the files change (`reload`) or a
+//! control plane sends new rules (`xds_client`).
+//!
+//! It may import `ops`, `algorithm` and `decision`; never `backend` or anything above it.
 
+pub mod active;
 mod matcher;
 mod model;
+pub mod reload;
 mod source;
 mod validate;
 pub mod xds;
+pub mod xds_client;
 mod yaml;
 
 use std::fmt;

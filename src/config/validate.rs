@@ -10,7 +10,7 @@ use super::matcher::{DomainRules, Level, Rule, Step};
 use super::model::{DescriptorSpec, DomainSpec, RateLimitSpec};
 use super::yaml::Pos;
 use crate::decision::FailurePolicy;
-use crate::limit::{Kind, Limit, Unit};
+use crate::decision::limit::{Kind, Limit, Unit};
 
 /// The most sub-limits one limit may be split over.
 pub const MAX_SHARDS: u32 = 64;

@@ -3,10 +3,10 @@
 //! (`DomainRules::lookup_set`), and the limit's state is named as a descriptor's would be.
 
 use crate::config::DomainRules;
-use crate::key::limit_key;
-use crate::limit::Limit;
-use crate::plan::shared_entries;
-use crate::request::Bounds;
+use crate::decision::key::limit_key;
+use crate::decision::limit::Limit;
+use crate::service::plan::shared_entries;
+use crate::service::request::Bounds;
 
 /// What governs a bucket.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,7 +17,7 @@ pub enum Target<'r> {
     /// An `unlimited` or shadow-mode rule: admit everything (usage is still counted).
     Unlimited { stats_key: &'r str },
     Limited {
-        /// The limit's state key, as `crate::plan` builds it for the same descriptor.
+        /// The limit's state key, as `crate::service::plan` builds it for the same descriptor.
         key: String,
         limit: Limit,
         stats_key: &'r str,

@@ -20,7 +20,7 @@ use tonic::server::NamedService;
 use tower::Service;
 
 use super::budget::{Budget, Charge};
-use crate::grpc::PREFIX;
+use crate::edge::grpc::PREFIX;
 
 /// Where a body's length-prefixed messages stand.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -20,8 +20,8 @@ use std::time::Duration;
 use metrics::{Counter, Gauge, Label};
 
 use crate::decision::FailurePolicy;
-use crate::metrics::Metrics;
-use crate::request::Bounds;
+use crate::ops::metrics::Metrics;
+use crate::service::request::Bounds;
 pub use store::{MemoryShares, ShareStore};
 pub use stream::QuotaService;
 

@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::r#type::v3::TokenBucket;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 /// Each Envoy's weight is its demand plus this fraction of the limit, so an idle Envoy keeps
 /// a small share to serve its next requests with (and to report their demand).
@@ -87,7 +87,7 @@ pub fn proto_duration(d: Duration) -> ProtoDuration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::{Kind, Unit};
+    use crate::decision::limit::{Kind, Unit};
 
     #[test]
     fn shares_follow_demand_and_never_exceed_what_is_free() {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::share::{self, HYSTERESIS, IDLE_WEIGHT, Others};
 use crate::backend::redis::{Lua, RedisBackend};
-use crate::bounded::Room;
 use crate::decision::BackendError;
+use crate::decision::bounded::Room;
 
 static SHARE_SCRIPT: LazyLock<Lua> =
     LazyLock::new(|| Lua::new(include_str!("../../lua/rlqs_share.lua")));
@@ -22,7 +22,7 @@ const SUFFIX: &str = ":rlqs";
 /// One holder's report.
 #[derive(Debug, Clone, Copy)]
 pub struct Demand<'a> {
-    /// The limit's state key (`crate::key::limit_key`).
+    /// The limit's state key (`crate::decision::key::limit_key`).
     pub key: &'a str,
     /// Who holds the share: one of an Envoy's buckets.
     pub holder: u64,

@@ -36,11 +36,11 @@ use super::buffers::{Charged, hold};
 use super::share::{blanket, proto_duration, token_bucket};
 use super::store::{Demand, MemoryShares, ShareStore};
 use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
-use crate::active::ActiveRules;
 use crate::config::DomainRules;
+use crate::config::active::ActiveRules;
 use crate::decision::FailurePolicy;
-use crate::metrics::{Metrics, StatsKey};
-use crate::peers::{Caller, FromPeer, Peers};
+use crate::edge::peers::{Caller, FromPeer, Peers};
+use crate::ops::metrics::{Metrics, StatsKey};
 
 /// What a bucket's first report is taken to cover (Envoy reports every 5 s).
 const FIRST_REPORT_SPAN: Duration = Duration::from_secs(5);

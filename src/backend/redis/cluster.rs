@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 use super::script::{Mode, Nonce, Part, Reply};
 use super::{Shared, coalesce};
 use crate::algorithm::Micros;
-use crate::deadline::Deadline;
+use crate::decision::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
 
 /// Indices of the hits, grouped by the slot of their key, in order of first appearance.

@@ -49,8 +49,8 @@ use super::mailbox::{Mailbox, Post, RequestAnswer};
 use super::script::{self, Call, Part, Reply};
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
-use crate::deadline::Deadline;
 use crate::decision::BackendError;
+use crate::decision::deadline::Deadline;
 
 /// Most hits, and bytes of keys and leases, one call carries: a request with more goes alone.
 const MAX_CALL_HITS: usize = 256;
@@ -444,8 +444,8 @@ mod tests {
     use super::super::KeyLayout;
     use super::super::script::{Mode, Nonce};
     use super::*;
+    use crate::decision::limit::{Limit, Unit};
     use crate::decision::{Hit, Role};
-    use crate::limit::{Limit, Unit};
 
     /// A queued request of `hits` hits on keys of `key_bytes` bytes, named by its bound.
     fn request(name: u64, hits: usize, key_bytes: usize) -> Request {

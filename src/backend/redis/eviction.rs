@@ -23,7 +23,7 @@ use ::redis::{FromRedisValue, Value};
 
 use super::Shared;
 use super::home::io;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// 1 when every master evicts once full; 0 when one refuses writes then or has no bound; not
 /// exported until a master's settings are read.

@@ -10,8 +10,8 @@
 
 use std::borrow::Cow;
 
-use crate::key::unescape;
-use crate::limit::{Kind, Limit};
+use crate::decision::key::unescape;
+use crate::decision::limit::{Kind, Limit};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeyLayout {
@@ -90,9 +90,10 @@ const DIGEST_CHARS: usize = 40;
 
 /// The hash tag of the limit whose identity is `identity`: the identity itself, or, past
 /// `MAX_TAG_BYTES`, its head, `{` and the SHA-1 of the whole (a stable digest: every instance
-/// and version names the limit alike). An identity never holds a brace (`crate::key` escapes
-/// them), so no identity's tag is another's digested one; a collision of SHA-1 would join only
-/// two identities both made for it, never one chosen in advance.
+/// and version names the limit alike). An identity never holds a brace
+/// (`crate::decision::key` escapes them), so no identity's tag is another's digested one; a
+/// collision of SHA-1 would join only two identities both made for it, never one chosen in
+/// advance.
 fn hash_tag(identity: &str) -> Cow<'_, str> {
     if identity.len() <= MAX_TAG_BYTES {
         return Cow::Borrowed(identity);
@@ -103,7 +104,7 @@ fn hash_tag(identity: &str) -> Cow<'_, str> {
 }
 
 /// `<prefix><domain>_<key>_<value>_..._` from an identity `<domain>|<key>=<value>|...`
-/// (see `crate::key`); the script appends the window start. The algorithm is not part of
+/// (see `crate::decision::key`); the script appends the window start. The algorithm is not part of
 /// the reference's key.
 fn reference_key(prefix: &str, identity: &str) -> String {
     let mut parts = identity.split('|');
@@ -124,8 +125,8 @@ fn reference_key(prefix: &str, identity: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::limit_key;
-    use crate::limit::Unit;
+    use crate::decision::key::limit_key;
+    use crate::decision::limit::Unit;
 
     /// Short identities are their own tag; long ones (here a value of 4 000 bytes, ending in
     /// a character of 2 bytes at the cut) are named by a head and a digest, bounded, distinct

@@ -33,8 +33,8 @@ use tokio::runtime::Handle;
 
 use super::{Backend, BackendError, Charging, Hit, Outcome};
 use crate::algorithm::Micros;
-use crate::deadline::Deadline;
-use crate::metrics::Metrics;
+use crate::decision::deadline::Deadline;
+use crate::ops::metrics::Metrics;
 use clock::Clock;
 use coalesce::Lanes;
 use connect::Pool;

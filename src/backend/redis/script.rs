@@ -510,7 +510,7 @@ fn decode_hits(raw: &[Option<i64>], per_hit: usize) -> Option<Vec<Reply>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::{Kind, Limit, Unit};
+    use crate::decision::limit::{Kind, Limit, Unit};
     use ::redis::Arg;
 
     /// Push an enforced hit of `limit` on `key` to `part`.

@@ -42,7 +42,7 @@
 use std::fmt::Write;
 
 use super::KeyLayout;
-use crate::limit::Kind;
+use crate::decision::limit::Kind;
 
 /// Every twin's script name, kind and layout: one per kind and layout it is kept in.
 fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {

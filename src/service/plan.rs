@@ -10,11 +10,11 @@ use std::collections::HashSet;
 
 use crate::config::{DomainRules, Rule, RuleSet};
 use crate::decision::FailurePolicy;
+use crate::decision::key::{Shard, limit_key};
+use crate::decision::limit::Limit;
 use crate::decision::{Hit, LeaseOp, Outcome, Role};
-use crate::key::{Shard, limit_key};
-use crate::limit::Limit;
-use crate::metrics::StatsKey;
-use crate::request::{CheckRequest, Descriptor};
+use crate::ops::metrics::StatsKey;
+use crate::service::request::{CheckRequest, Descriptor};
 
 /// The rule (or request override) that governs a descriptor.
 #[derive(Debug, Clone, PartialEq)]
@@ -309,7 +309,7 @@ impl<'a> Plan<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::Unit;
+    use crate::decision::limit::Unit;
 
     #[test]
     fn shards_add_up_to_the_whole_limit() {

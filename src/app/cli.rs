@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::Source;
+use crate::ops::telemetry::LogFormat;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -257,12 +258,6 @@ pub enum MetadataArg {
     All,
     #[value(alias = "false")]
     Off,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 fn duration(text: &str) -> Result<Duration, String> {
@@ -581,7 +576,7 @@ pub struct ServeArgs {
     pub max_entries: usize,
     /// Most bytes in a descriptor's keys and values together (and in the domain). It bounds
     /// what one backend key or metric series can cost.
-    #[arg(long, env = "TURNSTILE_MAX_DESCRIPTOR_BYTES", default_value_t = crate::request::DEFAULT_MAX_DESCRIPTOR_BYTES)]
+    #[arg(long, env = "TURNSTILE_MAX_DESCRIPTOR_BYTES", default_value_t = crate::service::request::DEFAULT_MAX_DESCRIPTOR_BYTES)]
     pub max_descriptor_bytes: usize,
     /// Most live keys the memory backend holds; a new key past it evicts one seldom used.
     #[arg(long, env = "TURNSTILE_MEMORY_MAX_KEYS", default_value_t = crate::backend::memory::DEFAULT_MAX_KEYS)]
@@ -591,11 +586,11 @@ pub struct ServeArgs {
     pub memory_max_bytes: usize,
     /// Most metric series whose labels come from requests (detailed_metric values, override
     /// keys, unknown domains).
-    #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES)]
+    #[arg(long, env = "TURNSTILE_MAX_SERIES", default_value_t = crate::ops::metrics::DEFAULT_MAX_SERIES)]
     pub max_series: usize,
     /// Most bytes those series take (their labels, as often as they are kept, and a fixed
     /// cost per counter); configured rules' series are outside this budget.
-    #[arg(long, env = "TURNSTILE_MAX_SERIES_BYTES", default_value_t = crate::metrics::DEFAULT_MAX_SERIES_BYTES)]
+    #[arg(long, env = "TURNSTILE_MAX_SERIES_BYTES", default_value_t = crate::ops::metrics::DEFAULT_MAX_SERIES_BYTES)]
     pub max_series_bytes: usize,
 
     /// How long an RLQS share lasts without a new report: the assignment_time_to_live sent

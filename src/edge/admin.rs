@@ -1,8 +1,8 @@
 //! The admin HTTP port: `/healthcheck`, `/json`, `/rlconfig` and `/metrics`; and, as the
 //! reference has them, a debug port (`/rlconfig`) and a Prometheus port of their own.
 //!
-//! Each port is served over HTTP/1 from `listener`'s capped accept loop, with a bound on
-//! reading a request's headers (which also closes idle keep-alive connections) and another
+//! Each port is served over HTTP/1 from the capped accept loop of `connections`, with a bound
+//! on reading a request's headers (which also closes idle keep-alive connections) and another
 //! on reading its body and answering: a slow or silent client holds a connection slot for a
 //! bounded time only.
 //!
@@ -25,13 +25,13 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::watch;
 
-use crate::active::ActiveRules;
 use crate::backend::Backend;
-use crate::health::Health;
-use crate::json;
-use crate::listener::Incoming;
-use crate::metrics::Metrics;
-use crate::serve;
+use crate::config::active::ActiveRules;
+use crate::edge::connections::Incoming;
+use crate::edge::health::Health;
+use crate::edge::http;
+use crate::edge::json;
+use crate::ops::metrics::Metrics;
 use crate::service::RateLimiter;
 
 pub struct Admin<B> {
@@ -79,7 +79,7 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(read_timeout);
-    serve::connections(incoming, stop, None, |conn| {
+    http::connections(incoming, stop, None, |conn| {
         http.serve_connection(TokioIo::new(conn), TowerToHyperService::new(router.clone()))
     })
     .await;

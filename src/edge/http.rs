@@ -1,4 +1,4 @@
-//! Serving a port's connections with hyper: each accepted connection (`listener`) is served
+//! Serving a port's connections with hyper: each accepted connection (`connections`) is served
 //! on a task of its own until the port stops, then every connection is asked to finish the
 //! calls it has in progress and close (a graceful shutdown: GOAWAY on HTTP/2, `Connection:
 //! close` on HTTP/1), and serving ends once all have. A gRPC connection is also shut down
@@ -13,7 +13,7 @@
 //! Envoy's do), and a `date` header on every answer, which HTTP/2 then checks and encodes,
 //! and which a gRPC client never reads. What tonic's server did that turnstile needs is
 //! here: HTTP/2 keepalive and a cap on concurrent streams, the caller's details (each
-//! connection's stack is made for its peer, in `server`), errors of the other services
+//! connection's stack is made for its peer, in `app::run`), errors of the other services
 //! answered as gRPC statuses (also the stack), the graceful shutdown, and a connection's
 //! maximum age.
 
@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tower::{BoxError, Service};
 
-use crate::listener::{Conn, Incoming as Connections};
+use crate::edge::connections::{Conn, Incoming as Connections};
 
 /// How long a connection may stay open: past `age` (give or take a tenth, drawn for each
 /// connection) it is asked to close, and past `grace` more it is closed.

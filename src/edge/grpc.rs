@@ -48,9 +48,9 @@ use tower::util::Oneshot;
 use tower::{BoxError, Layer, Service, ServiceExt};
 
 use crate::backend::Backend;
-use crate::deadline::{Deadline, grpc_timeout};
-use crate::pacemaker;
-use crate::peers::Caller;
+use crate::decision::deadline::{Deadline, grpc_timeout};
+use crate::edge::pacemaker;
+use crate::edge::peers::Caller;
 use crate::service::RateLimiter;
 
 /// The method this edge answers; the rest go to the inner service.

@@ -1,14 +1,22 @@
 //! The vocabulary every layer shares about one decision: the hits a request becomes and what
-//! each asks of an algorithm, how a refusal charges them, their outcomes, what can go wrong
-//! in a backend and what to answer then. It sits below `algorithm`, `config`, `metrics` and
-//! `backend`, so that none of them imports another for a word (a rule names a failure
-//! policy; a metric counts an outcome) and the layers point one way: vocabulary, then
-//! algorithms, rules and metrics, then backends.
+//! each asks of an algorithm (`limit`, and `key`, the state a hit lands on), how a refusal
+//! charges them, their outcomes, what can go wrong in a backend and what to answer then; and
+//! the small bounds every layer applies (`deadline`, a caller's; `bounded`, a map's room).
+//!
+//! It sits at the bottom and imports no other folder, so that `algorithm`, `ops`, `config`
+//! and `backend` never import one another for a word (a rule names a failure policy; a
+//! metric counts an outcome) and the layers point one way: vocabulary, then algorithms,
+//! metrics and rules, then backends.
+
+pub mod bounded;
+pub mod deadline;
+pub mod key;
+pub mod limit;
 
 use std::fmt;
 use std::time::Duration;
 
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 /// How a hit's verdict bears on the request's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

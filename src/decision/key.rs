@@ -9,7 +9,7 @@
 //! in user data, so `a_b=c` and `a=b_c` can never share a counter (a reference quirk), and
 //! so no brace can cut a Redis Cluster hash tag short.
 
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 /// The characters a key encodes, and their codes. `%` comes last so that decoding in this
 /// order restores it only after every other code is read.
@@ -77,7 +77,7 @@ pub fn limit_key<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::{Kind, Unit};
+    use crate::decision::limit::{Kind, Unit};
 
     fn with(algorithm: Kind, unit: Unit) -> Limit {
         Limit {

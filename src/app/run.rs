@@ -1,7 +1,7 @@
 //! Start-up and shutdown: load the rules (and watch them), build the backend, serve gRPC
 //! and the admin HTTP port; on SIGTERM/SIGINT report not-serving, stop accepting, and
-//! finish in-flight calls. Connections are accepted by `listener`, within caps that fit the
-//! open-files limit.
+//! finish in-flight calls. Connections are accepted by `edge::connections`, within caps that
+//! fit the open-files limit.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -17,33 +17,34 @@ use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 use tonic::service::{RecoverErrorLayer, Routes};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
-use crate::active::ActiveRules;
-use crate::admin::{self, Admin};
+use crate::app::cli::{
+    BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, MetadataArg, PolicyArg,
+    RedisType, ServeArgs,
+};
 use crate::backend::Backend;
 use crate::backend::breaker::BreakerConfig;
 use crate::backend::deferred::Deferred;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
 use crate::backend::stack::{self, StackConfig};
-use crate::cli::{
-    BackendKind, ChargingArg, ConfigType, HeadersArg, KeyLayoutArg, MetadataArg, PolicyArg,
-    RedisType, ServeArgs,
-};
+use crate::config::active::ActiveRules;
+use crate::config::reload::Reloader;
+use crate::config::xds_client;
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
-use crate::fallback::Fallback;
-use crate::grpc::{Edge, Places, ShouldRateLimitLayer};
-use crate::health::{Health, Requirements};
-use crate::layers::GrpcMetricsLayer;
-use crate::listener::{self, Handshake, Port};
-use crate::metrics::Metrics;
-use crate::reload::Reloader;
-use crate::request::Bounds;
-use crate::response::{Headers, MetadataOn, ResponseSettings};
+use crate::edge;
+use crate::edge::admin::{self, Admin};
+use crate::edge::connections::{self, Handshake, Port};
+use crate::edge::grpc::{Edge, Places, ShouldRateLimitLayer};
+use crate::edge::health::{Health, Requirements};
+use crate::edge::layers::GrpcMetricsLayer;
+use crate::ops::metrics::Metrics;
+use crate::ops::statsd::StatsdRecorder;
 use crate::rlqs::{self, MemoryShares, ShareStore};
+use crate::service::fallback::Fallback;
+use crate::service::request::Bounds;
+use crate::service::response::{Headers, MetadataOn, ResponseSettings};
 use crate::service::{RateLimiter, Settings};
-use crate::statsd::StatsdRecorder;
-use crate::{serve, xds};
 
 /// Keys with quota leases held at once by one instance.
 const MAX_LEASE_POOLS: usize = 100_000;
@@ -164,7 +165,7 @@ async fn statsd(args: &ServeArgs) -> anyhow::Result<StatsdRecorder> {
 }
 
 /// The xDS client's settings, checked before anything starts.
-fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
+fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds_client::Settings> {
     let x = &args.xds;
     anyhow::ensure!(
         x.xds_backoff_random_factor >= 0.0,
@@ -177,17 +178,17 @@ fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
             _ => None,
         };
         let ca = x.xds_tls_cacert.as_ref().map(read).transpose()?;
-        Ok(xds::tls(ca, identity, x.xds_tls_san.as_deref()))
+        Ok(xds_client::tls(ca, identity, x.xds_tls_san.as_deref()))
     });
-    Ok(xds::Settings {
+    Ok(xds_client::Settings {
         server_url: x.xds_server_url.clone(),
-        node: xds::node(&x.xds_node_id, &x.xds_node_metadata),
-        headers: xds::headers(&x.xds_headers)
+        node: xds_client::node(&x.xds_node_id, &x.xds_node_metadata),
+        headers: xds_client::headers(&x.xds_headers)
             .context("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS")?,
         tls: tls.transpose()?,
         connect_retry_interval: x.xds_connect_retry_interval,
         max_message_bytes: x.xds_max_message_bytes.filter(|&n| n > 0),
-        backoff: xds::Backoff {
+        backoff: xds_client::Backoff {
             initial: x.xds_backoff_initial,
             max: x.xds_backoff_max,
             random_factor: x.xds_backoff_random_factor,
@@ -200,7 +201,7 @@ fn xds_settings(args: &ServeArgs) -> anyhow::Result<xds::Settings> {
 /// The rules at start-up: loaded from files, or to come from a control plane.
 enum Start {
     Files(crate::config::RuleSet),
-    Xds(Box<xds::Settings>),
+    Xds(Box<xds_client::Settings>),
 }
 
 /// Keeps the rules current: the file watcher, or the xDS client.
@@ -226,7 +227,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::with_statsd(
         args.near_limit_ratio,
-        crate::metrics::SeriesBudget {
+        crate::ops::metrics::SeriesBudget {
             max_series: args.max_series,
             max_bytes: args.max_series_bytes,
         },
@@ -252,7 +253,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "xds {}",
                 settings.server_url
             )));
-            let client = xds::Client::new(*settings, rules.clone(), metrics.clone())?;
+            let client = xds_client::Client::new(*settings, rules.clone(), metrics.clone())?;
             (rules, Box::pin(client.run()))
         }
     };
@@ -391,8 +392,8 @@ async fn run<B: Backend>(
             admin::metrics_router(admin, &args.prometheus_path),
         ));
     }
-    let open_files = listener::open_files_limit();
-    let (grpc_cap, http_cap) = listener::fit_caps(
+    let open_files = connections::open_files_limit();
+    let (grpc_cap, http_cap) = connections::fit_caps(
         open_files,
         args.grpc_max_connections,
         args.http_max_connections,
@@ -409,7 +410,7 @@ async fn run<B: Backend>(
 
     let (stop, stopped) = watch::channel(false);
     let threads = args.grpc_threads();
-    let handoffs = listener::spread(
+    let handoffs = connections::spread(
         grpc_listener,
         Port {
             max_connections: grpc_cap,
@@ -432,12 +433,12 @@ async fn run<B: Backend>(
     let costly = Arc::new(Semaphore::new(2 * threads));
     let quota = Arc::new(quota);
     let mut servers = Vec::with_capacity(threads);
-    let http2 = serve::Http2 {
+    let http2 = edge::http::Http2 {
         keepalive_interval: args.grpc_keepalive_interval,
         keepalive_timeout: args.grpc_keepalive_timeout,
         max_streams: args.grpc_max_streams,
     };
-    let max_age = serve::MaxAge {
+    let max_age = edge::http::MaxAge {
         age: args.grpc_max_connection_age,
         grace: args.grpc_max_connection_age_grace,
     };
@@ -486,8 +487,8 @@ async fn run<B: Backend>(
                     .map(|runtime| {
                         // The handoff registers sockets with the runtime it is taken on.
                         runtime.block_on(async move {
-                            tokio::spawn(crate::allocator::give_back());
-                            serve::connections(
+                            tokio::spawn(crate::app::allocator::give_back());
+                            edge::http::connections(
                                 handoff.serve_here(),
                                 stopped,
                                 Some(max_age),
@@ -522,7 +523,7 @@ async fn run<B: Backend>(
             metrics: metrics.connections(name),
         };
         admin::serve(
-            listener::incoming(tcp, port),
+            connections::incoming(tcp, port),
             router,
             args.http_read_timeout,
             stopped.clone(),

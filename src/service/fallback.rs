@@ -84,7 +84,7 @@ impl Fallback {
 mod tests {
     use super::*;
     use crate::decision::Role;
-    use crate::limit::{Limit, Unit};
+    use crate::decision::limit::{Limit, Unit};
 
     fn hit(limit: u32) -> Hit {
         Hit {

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::active::ActiveRules;
 use crate::backend::Backend;
+use crate::config::active::ActiveRules;
 
 const SERVICES: [&str; 3] = [
     "",

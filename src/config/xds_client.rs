@@ -28,9 +28,9 @@ use tokio::sync::mpsc;
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use crate::active::ActiveRules;
+use crate::config::active::ActiveRules;
 use crate::config::xds::{self as rules, TYPE_URL, pb::RateLimitConfig};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// Bound on one connection attempt (TCP and TLS).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -23,7 +23,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
 
-use crate::limit::Unit;
+use crate::decision::limit::Unit;
 
 /// Size bounds on requests. Generous for Envoy's real descriptors, small enough that one
 /// request cannot cost much memory or CPU. Every key in a backend and every request-driven

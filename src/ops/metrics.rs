@@ -21,7 +21,7 @@ use metrics_exporter_prometheus::PrometheusRecorder;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::decision::{BackendError, Outcome};
-use crate::statsd::StatsdRecorder;
+use crate::ops::statsd::StatsdRecorder;
 
 /// gRPC methods with their own series; any other path is counted as "other".
 const GRPC_METHODS: [&str; 4] = ["ShouldRateLimit", "Check", "Watch", "other"];

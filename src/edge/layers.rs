@@ -11,7 +11,7 @@ use std::time::Instant;
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::metrics::{GrpcMethod, Metrics};
+use crate::ops::metrics::{GrpcMethod, Metrics};
 
 /// Counts calls and observes their latency, per gRPC method (the last path segment).
 #[derive(Clone)]

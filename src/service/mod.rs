@@ -1,8 +1,17 @@
-//! The rate-limit service, top to bottom: validate the request, match its descriptors
-//! against the active rules, evaluate the hits atomically in the backend, answer.
+//! The rate-limit service, top to bottom: validate the request (`request`), match its
+//! descriptors against the active rules (`plan`), evaluate the hits atomically in the
+//! backend (or answer as `fallback` says when it fails), answer (`response`).
 //!
-//! The gRPC method (`grpc`) and the HTTP `/json` endpoint both call `RateLimiter::check`, so
-//! they can never disagree.
+//! The gRPC method (`edge::grpc`) and the HTTP `/json` endpoint both call
+//! `RateLimiter::check`, so they can never disagree.
+//!
+//! It may import `backend`, `config`, `ops`, `algorithm` and `decision`; never `edge`,
+//! `rlqs` or `app`, which stand on it.
+
+pub mod fallback;
+pub mod plan;
+pub mod request;
+pub mod response;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,16 +20,16 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::active::ActiveRules;
 use crate::backend::Backend;
-use crate::deadline::Deadline;
+use crate::config::active::ActiveRules;
 use crate::decision::FailurePolicy;
+use crate::decision::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Outcome, Role};
-use crate::fallback::Fallback;
-use crate::metrics::{Metrics, RuleHit};
-use crate::plan::{Decision, Plan};
-use crate::request::{Bounds, CheckRequest};
-use crate::response::{self, ResponseSettings};
+use crate::ops::metrics::{Metrics, RuleHit};
+use crate::service::fallback::Fallback;
+use crate::service::plan::{Decision, Plan};
+use crate::service::request::{Bounds, CheckRequest};
+use crate::service::response::ResponseSettings;
 
 #[derive(Debug, Clone)]
 pub struct Settings {

@@ -18,9 +18,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, ListValue, Struct, Value};
 
+use crate::decision::limit::Limit;
 use crate::decision::{Outcome, Role, request_refused};
-use crate::limit::Limit;
-use crate::plan::{Applied, Decision, Plan};
+use crate::service::plan::{Applied, Decision, Plan};
 
 /// Which rate-limit headers the answer carries for Envoy to add to the client's response.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -18,9 +18,9 @@ use std::time::Duration;
 use notify::{PollWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use crate::active::ActiveRules;
 use crate::config::Source;
-use crate::metrics::Metrics;
+use crate::config::active::ActiveRules;
+use crate::ops::metrics::Metrics;
 
 /// Quiet time after the last file event before the rules are read.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);

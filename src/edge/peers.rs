@@ -1,4 +1,4 @@
-//! Shares per peer address: how many connections (the listener) or RLQS streams one client
+//! Shares per peer address: how many connections (`connections`) or RLQS streams one client
 //! holds, and how many calls its connections have in flight together, so that no one client
 //! can take all of what a process bounds.
 

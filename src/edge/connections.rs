@@ -7,7 +7,7 @@
 //! them all (the excess is closed at accept and counted); the caps of all ports together
 //! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
 //! TLS and send the HTTP/2 preface within a timeout before it is served; once served, HTTP/2
-//! keepalive pings find dead peers (`server`); on the admin ports hyper's header-read
+//! keepalive pings find dead peers (`app::run`); on the admin ports hyper's header-read
 //! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
 //! peer that stopped reading) closes the connection.
 //!
@@ -37,8 +37,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
 
-use crate::metrics::ConnectionMetrics;
-use crate::peers::{Caller, FromPeer, Peers};
+use crate::edge::peers::{Caller, FromPeer, Peers};
+use crate::ops::metrics::ConnectionMetrics;
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -823,7 +823,7 @@ mod tests {
                 timeout: Duration::from_secs(5),
             },
             write_stall: None,
-            metrics: crate::metrics::Metrics::new(0.8, 100).connections("grpc"),
+            metrics: crate::ops::metrics::Metrics::new(0.8, 100).connections("grpc"),
         };
         let mut threads: Vec<Incoming> = spread(listener, port, 2)
             .into_iter()

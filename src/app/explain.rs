@@ -21,9 +21,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
 
-use crate::cli::ExplainArgs;
+use crate::app::cli::ExplainArgs;
 use crate::config::{DomainRules, Miss, Rule, RuleSet};
-use crate::limit::Limit;
+use crate::decision::limit::Limit;
 
 /// How long the instance gets to answer, connection included.
 const INSTANCE_TIMEOUT: Duration = Duration::from_secs(5);

@@ -1,0 +1,9 @@
+//! What operators see of the process: Prometheus metrics, their statsd export, logs and
+//! traces.
+//!
+//! It may import `decision` and `algorithm` only (a metric counts an outcome), never
+//! `backend` or `config`, so every layer above can count what it does.
+
+pub mod metrics;
+pub mod statsd;
+pub mod telemetry;
