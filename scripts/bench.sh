@@ -6,7 +6,7 @@
 #   a2. Redis coalescing A/B: 64 in flight with --redis-batch 1 and the default, then 256 and
 #      512 in flight counting errors;
 #   a3. the Redis I/O thread's scheduler slice A/B: the default and the kernel's, in turn;
-#   a4. Redis bounded and evicting (README, Redis: Memory): no maxmemory, a bound not reached,
+#   a4. Redis bounded and evicting (docs/redis.md, Memory): no maxmemory, a bound not reached,
 #      and one reached (every new counter evicts one), in turn;
 #   b. the Redis ceiling: redis-benchmark running the same FCALL of the real batch script's
 #      function (`turnstile redis-script --library`) against the same Redis, one request per
@@ -382,7 +382,7 @@ for round in 1 2 3; do
   done
 done
 
-# a4. Redis bounded and evicting, as the README asks of a Redis in production, against
+# a4. Redis bounded and evicting, as docs/redis.md asks of a Redis in production, against
 #     Redis as every other row runs it (no maxmemory): a bound of 256 MB, which 100 000
 #     counters do not reach, and one of 8 MB, which they do (past it, nearly every new
 #     counter evicts one), both volatile-lru; in turn, two rounds. Redis' evictions during
