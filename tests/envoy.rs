@@ -142,7 +142,7 @@ fn number(reply: &Reply, header: &str) -> u64 {
 
 macro_rules! envoy_or_skip {
     ($test:expr) => {
-        match envoy::binary_or_skip($test) {
+        match support::tools::envoy_or_skip($test) {
             Some(binary) => binary,
             None => return,
         }

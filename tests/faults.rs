@@ -1246,7 +1246,11 @@ async fn costly_calls_wait_for_a_few_places_light_ones_do_not() {
             )
         }
     };
-    assert!(call(light.clone(), Duration::from_secs(5)).await.0.is_ok());
+    let warm = call(light.clone(), Duration::from_secs(5)).await.0;
+    assert_eq!(
+        warm.expect("the light call is answered"),
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code::Ok as i32
+    );
     redis.freeze();
     let holders: Vec<_> = (0..2)
         .map(|_| tokio::spawn(call(costly.clone(), Duration::from_secs(5))))
@@ -1557,21 +1561,38 @@ async fn a_decision_taken_after_its_caller_gave_up_charges_nothing() {
                 .map(tonic::Response::into_inner),
         )
     };
+    // The fastest whole call: longer than any trip of a call to Redis.
+    let mut fastest = Duration::MAX;
     for i in 1..=3 {
+        let started = Instant::now();
         assert_eq!(call().await, Answer::Ok(vec![SMALL_LIMIT - i]), "before");
+        fastest = fastest.min(started.elapsed());
     }
     let before = block_in_place(|| redis.script_calls());
 
     block_in_place(|| redis.freeze());
     let timed_out = call().await;
-    // Frozen a while longer than the call waited: the script surely runs late.
-    tokio::time::sleep(Duration::from_millis(2 * REDIS_TIMEOUT_MS)).await;
+    let gave_up = Instant::now();
+    block_in_place(|| {
+        redis.wait_until(Duration::from_secs(5), "the call in Redis' input", |r| {
+            r.unread_bytes() > 0
+        })
+    });
+    // The call's deadline had passed when turnstile answered; turnstile's estimate of it on
+    // Redis' clock is late by at most a trip to Redis (src/backend/redis/clock.rs): once a
+    // fastest call's time has passed too, the script runs late on Redis' clock.
+    tokio::time::sleep_until((gave_up + fastest).into()).await;
     block_in_place(|| redis.thaw());
     assert!(
         matches!(timed_out, Answer::Failed(tonic::Code::Unavailable, ref m) if m.contains("timed out")),
         "{timed_out:?}"
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Wait for the script Redis held to run (at most 5 s), then read how many ran.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while block_in_place(|| redis.script_calls()) == before {
+        assert!(Instant::now() < deadline, "the held script never ran");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let ran = block_in_place(|| redis.script_calls()) - before;
     let after = call().await;
     println!(
@@ -1723,8 +1744,16 @@ async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
     assert_eq!(circuit_open, 0, "calls failed for an open circuit");
     assert_eq!(opened, 0.0, "the breaker opened with Redis healthy");
     // How many wait past 25 ms depends on how busy the machine is (debug binaries, other
-    // tests): only that Redis answered some of them is certain.
+    // tests): that Redis answered some of them is certain, and that each call that failed
+    // failed for waiting (counted under one of those kinds), not for anything else.
     assert!(failed.len() < answers.len(), "every call failed");
+    let waited: f64 = errors.iter().map(|(_, count)| count).sum();
+    assert_eq!(
+        waited,
+        failed.len() as f64,
+        "failures not for waiting: {:?}",
+        failed.iter().take(3).collect::<Vec<_>>()
+    );
 }
 
 /// turnstile itself paused (SIGSTOP for 150 ms, eight times, as when a host stops a VM or a

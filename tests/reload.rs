@@ -158,13 +158,14 @@ async fn a_deleted_domain_file_removes_its_rules_and_sighup_forces_a_reload() {
     wait_for(&t, "two", None).await;
     assert_eq!(limit_of(&t, "one").await, Some(1));
 
-    // Poll so rarely that only SIGHUP can trigger the reload.
+    // Poll so rarely that only SIGHUP can trigger the reload. The poller scans the files as
+    // it is made, before turnstile serves: the edit comes after that scan. A second instance
+    // polling often is the control: once it has the edit, a poller could have seen it.
     let polled = Rules::new(&rules("p", 1));
     let t = Turnstile::start(polled.path(), &["--config-poll-interval", "1h"]).await;
-    // The poller scans once as its thread starts: the edit comes after that scan.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let control = Turnstile::start(polled.path(), &["--config-poll-interval", "50ms"]).await;
     polled.write("rules.yaml", &rules("p", 9));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for(&control, "p", Some(9)).await;
     assert_eq!(
         limit_of(&t, "p").await,
         Some(1),

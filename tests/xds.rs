@@ -447,15 +447,30 @@ async fn the_last_good_rules_outlive_the_control_plane_and_its_restart() {
     // `d1`'s counter is followed through the restart (seconds): one hour's.
     clear_of_end(HOUR, Duration::from_secs(20)).await;
     assert_eq!(hit(&t, "d1", 1).await, (Some(3), 2));
-    // SIGHUP reloads files; with xDS it must change nothing (its default action is exit).
+    // SIGHUP reloads files; with xDS it must change nothing (its default action is exit,
+    // which the kernel takes before kill() returns: a call answered after it shows none).
     signal(t.pid(), "HUP");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        hit(&t, "d1", 0).await,
+        (Some(3), 2),
+        "answered after SIGHUP"
+    );
     assert!(t.alive(), "SIGHUP stopped the process");
 
-    // The control plane goes away: rules and counters stay, and so does health.
+    // The control plane goes away: rules and counters stay, and so does health, once
+    // turnstile has seen it go (it dials the address again: a listener there sees it).
     stop.send_replace(true);
     server.await.unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The listener the control plane comes back on, which sees the dial first.
+    let again = bind(addr);
+    let redial = again.try_clone().unwrap();
+    redial.set_nonblocking(true).unwrap();
+    let redial = tokio::net::TcpListener::from_std(redial).unwrap();
+    tokio::time::timeout(WAIT, redial.accept())
+        .await
+        .expect("turnstile never dialled the control plane again")
+        .expect("accept");
+    drop(redial);
     assert_eq!(hit(&t, "d1", 1).await, (Some(3), 1));
     let (status, _) = t.http_get("/healthcheck").await.unwrap();
     assert_eq!(status, 200);
@@ -463,7 +478,7 @@ async fn the_last_good_rules_outlive_the_control_plane_and_its_restart() {
     // Back on the same address, with other rules.
     let before = plane.requests().len();
     plane.push("v2", vec![any(&resource("a", "d1", 7))]);
-    let (_stop, _server) = plane.serve(bind(addr), None);
+    let (_stop, _server) = plane.serve(again, None);
     wait_for_limit(&t, "d1", Some(7)).await;
     let resubscribe = &plane.requests()[before];
     assert_eq!(
@@ -543,8 +558,24 @@ async fn a_push_near_the_message_limit() {
 
     let (over, _) = big(LIMIT + 4096);
     let other = any(&resource("a", "d1", 3));
+    let before = plane.requests().len();
     plane.push("v2", vec![over, other]);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Refused by the transport: the stream ends, and turnstile opens another from v1.
+    let started = Instant::now();
+    while !plane.requests()[before..]
+        .iter()
+        .any(|r| (r.version_info.as_str(), r.response_nonce.as_str()) == ("v1", ""))
+    {
+        assert!(
+            started.elapsed() < WAIT,
+            "no new stream after the oversized push"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !plane.requests().iter().any(|r| r.version_info == "v2"),
+        "the oversized push was ACKed"
+    );
     assert_eq!(
         check(last.clone()).await,
         (Some(10), 8),
@@ -606,9 +637,12 @@ impl Certs {
 
 /// Exactly the environment Envoy Gateway gives its rate-limit deployment (its TLS files, the
 /// Redis, statsd), but for the addresses: the control plane's and Redis's are local, and the
-/// harness picks free listen ports. Rules arrive over mTLS and are enforced over TLS.
+/// harness picks free listen ports. Rules arrive over mTLS and are enforced over server TLS
+/// only: Envoy Gateway names its CA `GRPC_SERVER_TLS_CA_CERT`, which neither turnstile nor
+/// the reference reads (client certificates are asked for by `GRPC_CLIENT_TLS_CACERT`, tested
+/// in tests/core.rs), so a client without a certificate is answered.
 #[tokio::test]
-async fn envoy_gateways_environment_alone_takes_rules_from_xds() {
+async fn envoy_gateways_environment_takes_rules_over_mtls_and_serves_over_server_tls() {
     let certs = Certs::new();
     let redis = RedisServer::start();
     let plane = ControlPlane::new();
@@ -631,6 +665,7 @@ async fn envoy_gateways_environment_alone_takes_rules_from_xds() {
         ("GRPC_SERVER_USE_TLS", "true".into()),
         ("GRPC_SERVER_TLS_CERT", certs.path("tls.crt")),
         ("GRPC_SERVER_TLS_KEY", certs.path("tls.key")),
+        // Not read: the server asks no client certificate.
         ("GRPC_SERVER_TLS_CA_CERT", certs.path("ca.crt")),
         ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true".into()),
         ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", certs.path("tls.crt")),
@@ -651,6 +686,7 @@ async fn envoy_gateways_environment_alone_takes_rules_from_xds() {
     );
     assert_eq!(answer.node.unwrap().id, "envoy-ratelimit");
 
+    // No client identity: server TLS only.
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&certs.ca))
         .domain_name("localhost");
@@ -660,7 +696,7 @@ async fn envoy_gateways_environment_alone_takes_rules_from_xds() {
         .unwrap()
         .connect()
         .await
-        .expect("the RLS over TLS");
+        .expect("the RLS over TLS, without a client certificate");
     let mut client = RateLimitServiceClient::new(channel);
     let mut outcomes = Vec::new();
     for _ in 0..3 {

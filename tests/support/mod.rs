@@ -7,4 +7,5 @@ pub mod load;
 pub mod raw;
 pub mod redis;
 pub mod reference;
+pub mod tools;
 pub mod turnstile;

@@ -285,6 +285,57 @@ impl RedisServer {
             .sum()
     }
 
+    /// The server's clients, oldest first: each one's id and last command (lower case, as
+    /// `CLIENT LIST` names it), less the connection that asks.
+    pub fn clients(&self) -> Vec<(u64, String)> {
+        let list: String = self.query(&["CLIENT", "LIST"]);
+        let mut clients: Vec<(u64, String)> = list
+            .lines()
+            .filter_map(|line| {
+                let field = |name: &str| {
+                    line.split(' ')
+                        .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+                };
+                let cmd = field("cmd")?;
+                (cmd != "client|list").then(|| Some((field("id")?.parse().ok()?, cmd.into())))?
+            })
+            .collect();
+        clients.sort();
+        clients
+    }
+
+    /// Bytes clients have sent that the server has not read yet: the receive queues of its
+    /// connections (/proc/net/tcp). While the server is frozen, more than 0 means a call
+    /// was written to it.
+    pub fn unread_bytes(&self) -> u64 {
+        let port = format!(":{:04X}", self.port());
+        let table = fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+        table
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // local address, remote address, state, "tx_queue:rx_queue"
+                let (local, state, queues) = (fields.get(1)?, fields.get(3)?, fields.get(4)?);
+                // Connections only (01: ESTABLISHED, 08: closed by the client, data still
+                // to read), not the listening socket's backlog.
+                if !local.ends_with(&port) || !["01", "08"].contains(state) {
+                    return None;
+                }
+                u64::from_str_radix(queues.split(':').nth(1)?, 16).ok()
+            })
+            .sum()
+    }
+
+    /// Wait (polling, at most 5 s) until a call has been written to this frozen server.
+    pub async fn written_to(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.unread_bytes() == 0 {
+            assert!(Instant::now() < deadline, "never written to Redis: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The first element of `ROLE`: "master", "slave" or "sentinel"; None if it does not answer.
     pub fn role(&self) -> Option<String> {
         let reply: redis::Value = self.try_query(&["ROLE"]).ok()?;
