@@ -359,8 +359,7 @@ async fn run<B: Backend>(
 
     let grpc_addr = args.grpc_addr();
     let http_addr = args.http_addr();
-    let grpc_listener = TcpListener::bind(grpc_addr)
-        .await
+    let grpc_listener = connections::bind(grpc_addr)
         .with_context(|| format!("cannot listen for gRPC on {grpc_addr}"))?;
     let http_listener = TcpListener::bind(http_addr)
         .await
@@ -407,6 +406,14 @@ async fn run<B: Backend>(
             "connection caps lowered to fit the open-files limit"
         );
     }
+    let grpc_per_peer = connections::peer_share(grpc_cap, args.grpc_max_connections_per_peer);
+    if grpc_per_peer != args.grpc_max_connections_per_peer {
+        tracing::warn!(
+            grpc_cap,
+            grpc_per_peer,
+            "a peer's share of gRPC connections lowered to half the port's cap"
+        );
+    }
 
     let (stop, stopped) = watch::channel(false);
     let threads = args.grpc_threads();
@@ -414,7 +421,8 @@ async fn run<B: Backend>(
         grpc_listener,
         Port {
             max_connections: grpc_cap,
-            max_per_peer: args.grpc_max_connections_per_peer,
+            max_per_peer: grpc_per_peer,
+            make_room: true,
             handshake: Handshake::Http2 {
                 tls: tls_acceptor(args)?,
                 timeout: args.grpc_handshake_timeout,
@@ -518,6 +526,7 @@ async fn run<B: Backend>(
         let port = Port {
             max_connections: http_cap,
             max_per_peer: http_cap,
+            make_room: false,
             handshake: Handshake::Http1,
             write_stall: Some(args.http_read_timeout),
             metrics: metrics.connections(name),

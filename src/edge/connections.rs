@@ -3,9 +3,11 @@
 //! tonic and axum accept every connection and keep it for as long as the peer likes, and
 //! tonic retries a failing accept at once: at the open-files limit the process spun on
 //! EMFILE and no port answered, not even `/healthcheck`. Here each port has a cap on open
-//! connections, and one on those from each peer address, so that one client cannot take
-//! them all (the excess is closed at accept and counted); the caps of all ports together
-//! fit the open-files limit, and a failing accept backs off. A gRPC connection must finish
+//! connections, and one on those from each peer, so that one client cannot take them all
+//! (the excess is closed at accept and counted); the caps of all ports together fit the
+//! open-files limit, and a failing accept backs off. At its cap the gRPC port makes room
+//! for a newcomer from a smaller peer by closing a spare connection of the biggest (`room`),
+//! so that clients holding idle connections cannot keep the others out. A gRPC connection must finish
 //! TLS and send the HTTP/2 preface within a timeout before it is served; once served, HTTP/2
 //! keepalive pings find dead peers (`app::run`); on the admin ports hyper's header-read
 //! timeout closes silent ones (`admin`), and a write that makes no progress for as long (a
@@ -33,11 +35,12 @@ use futures_util::Stream;
 use metrics::Gauge;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::time::Sleep;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
 use tokio_rustls::TlsAcceptor;
 
-use crate::edge::peers::{Caller, FromPeer, Peers};
+use crate::edge::peers::Caller;
+use crate::edge::room::{Place, Refused, Room};
 use crate::ops::metrics::ConnectionMetrics;
 
 /// What every HTTP/2 client sends first (RFC 9113 §3.4).
@@ -52,6 +55,16 @@ const MAX_SKIPPED_YIELDS: u8 = 32;
 /// Open files kept for all but client connections: listeners, Redis, statsd, rule files,
 /// the runtime's own (about 16 with the memory backend).
 const RESERVED_FILES: usize = 32;
+/// A peer's connections are at most this fraction of a port's cap (whatever the flags say):
+/// one peer alone never fills the port, so room for the others is left without closing
+/// anything, while one big client (all of a host's Envoy workers) may still hold many.
+const PEER_SHARE_DIVISOR: usize = 2;
+/// Connections the kernel may hold for the accept loop (lowered to `net.core.somaxconn`):
+/// past it a client's SYN is dropped and its connect waits a second for the retry, so a
+/// burst of connections (a flood, or a fleet reconnecting) would delay everyone's.
+const ACCEPT_BACKLOG: u32 = 4096;
+/// Shortest time between two log lines about connections closed to make room.
+const ROOM_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How a port's connections begin before they are served.
 pub enum Handshake {
@@ -67,12 +80,26 @@ pub enum Handshake {
 /// One listening port's limits.
 pub struct Port {
     pub max_connections: usize,
-    /// Most of them from one peer address, so that one client cannot take every slot.
+    /// Most of them from one peer, so that one client cannot take every slot.
     pub max_per_peer: usize,
+    /// At the cap, close a spare connection of the biggest peer for a newcomer from a
+    /// smaller one (`room`), instead of refusing the newcomer.
+    pub make_room: bool,
     pub handshake: Handshake,
     /// Close a connection whose writes make no progress for this long.
     pub write_stall: Option<Duration>,
     pub metrics: ConnectionMetrics,
+}
+
+/// A listener on `addr`, with room for a burst of connections waiting to be accepted.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }
 
 /// Accept on `listener` in the background, within `port`'s limits; the connections that
@@ -225,8 +252,8 @@ impl Dispatch {
 }
 
 async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
-    let slots = Arc::new(Semaphore::new(port.max_connections));
-    let peers = Peers::default();
+    let room = Room::new(port.max_connections, port.max_per_peer, port.make_room);
+    let mut made_room = RoomLog::default();
     let mut backoff = FIRST_BACKOFF;
     loop {
         let accepted = tokio::select! {
@@ -249,32 +276,74 @@ async fn accept(listener: TcpListener, port: Arc<Port>, dispatch: Dispatch) {
             }
         };
         backoff = FIRST_BACKOFF;
-        let Some(from_peer) = peers.take(remote.ip(), port.max_per_peer) else {
-            port.metrics.refused.increment(1);
-            tracing::debug!(%remote, "connection closed at accept: its peer has its share");
-            continue;
+        let place = match room.take(remote.ip()) {
+            Ok((place, made)) => {
+                if let Some(made) = made {
+                    port.metrics.closed_to_make_room.increment(1);
+                    made_room.closed(made, remote);
+                }
+                place
+            }
+            Err(refused) => {
+                port.metrics.refused.increment(1);
+                if refused == Refused::PeerShare {
+                    tracing::debug!(%remote, "connection closed at accept: its peer has its share");
+                }
+                continue;
+            }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            port.metrics.refused.increment(1);
-            continue;
-        };
-        let slot = Slot::new(permit, from_peer, port.metrics.open.clone());
+        let slot = Slot::new(place, port.metrics.open.clone());
         dispatch.send(stream, Peer { remote, slot }).await;
     }
 }
 
-/// Run `port`'s handshake on `stream`, then hand the connection to the server.
+/// Connections closed to make room, logged at most once per `ROOM_LOG_INTERVAL`: a flood
+/// would otherwise log a line per connection.
+#[derive(Default)]
+struct RoomLog {
+    last: Option<Instant>,
+    /// Closed since the last line.
+    unlogged: u64,
+}
+
+impl RoomLog {
+    fn closed(&mut self, made: crate::edge::room::MadeRoom, newcomer: SocketAddr) {
+        self.unlogged += 1;
+        let now = Instant::now();
+        if self.last.is_some_and(|last| now < last + ROOM_LOG_INTERVAL) {
+            return;
+        }
+        self.last = Some(now);
+        tracing::warn!(
+            peer = %made.closed,
+            holds = made.holds,
+            %newcomer,
+            closed = self.unlogged,
+            "the port is full: closed connections of the peer holding the most to make room"
+        );
+        self.unlogged = 0;
+    }
+}
+
+/// Run `port`'s handshake on `stream`, then hand the connection to the server (unless it
+/// was closed to make room meanwhile).
 async fn handshake(port: Arc<Port>, stream: TcpStream, peer: Peer, ready: mpsc::Sender<Conn>) {
     let Peer { remote, slot } = peer;
-    match port.handshake.run(stream).await {
+    let closed = std::future::poll_fn(|cx| slot.place.poll_closed(cx));
+    let ran = tokio::select! {
+        ran = port.handshake.run(stream) => ran,
+        () = closed => return,
+    };
+    match ran {
         Ok((io, replay)) => {
+            slot.place.served();
             let conn = Conn {
                 io,
                 replay,
-                caller: slot.from_peer.caller(remote),
+                caller: slot.place.caller(remote),
                 stall: port.write_stall.map(|limit| Stall { limit, timer: None }),
                 coalesce: port.handshake.multiplexed().then(Coalesce::default),
-                _slot: slot,
+                slot,
             };
             let _ = ready.send(conn).await;
         }
@@ -339,21 +408,19 @@ pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
-/// Holds one of a port's connection slots, and its peer's, while the connection is open.
+/// Holds a connection's place in its port's room while the connection is open.
 struct Slot {
-    _permit: OwnedSemaphorePermit,
-    from_peer: FromPeer,
+    place: Place,
     open: Gauge,
     /// The open connections of the thread serving it.
     on_thread: Option<Arc<AtomicUsize>>,
 }
 
 impl Slot {
-    fn new(permit: OwnedSemaphorePermit, from_peer: FromPeer, open: Gauge) -> Slot {
+    fn new(place: Place, open: Gauge) -> Slot {
         open.increment(1.0);
         Slot {
-            _permit: permit,
-            from_peer,
+            place,
             open,
             on_thread: None,
         }
@@ -384,7 +451,7 @@ pub struct Conn {
     stall: Option<Stall>,
     /// On multiplexed connections.
     coalesce: Option<Coalesce>,
-    _slot: Slot,
+    slot: Slot,
 }
 
 /// Writes of a multiplexed connection gathered into fewer syscalls. The HTTP/2 codec writes
@@ -503,7 +570,16 @@ impl AsyncRead for Conn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         if self.replay.is_empty() {
-            return Pin::new(&mut *self.io).poll_read(cx, buf);
+            // Checked on every read, so that a peer that keeps sending is closed too; the
+            // waker only once a read waits.
+            if self.slot.place.is_closed() {
+                return Poll::Ready(Err(closed_to_make_room()));
+            }
+            let read = Pin::new(&mut *self.io).poll_read(cx, buf);
+            if read.is_pending() && self.slot.place.poll_closed(cx).is_ready() {
+                return Poll::Ready(Err(closed_to_make_room()));
+            }
+            return read;
         }
         let n = self.replay.len().min(buf.remaining());
         buf.put_slice(&self.replay[..n]);
@@ -549,6 +625,13 @@ impl AsyncWrite for Conn {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut *self.io).poll_shutdown(cx)
     }
+}
+
+fn closed_to_make_room() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "closed to make room for another peer's connection",
+    )
 }
 
 /// The process's open-files limit, after raising its soft limit to the hard one (as Go
@@ -599,6 +682,12 @@ pub fn fit_caps(
     let http = http.min(room / 4 / http_ports.max(1)).max(1);
     let grpc = grpc.min(room.saturating_sub(http * http_ports)).max(1);
     (grpc, http)
+}
+
+/// The most connections one peer may hold on a port whose cap is `cap`: `configured`, but
+/// never more than the port's share for one peer (at least one).
+pub fn peer_share(cap: usize, configured: usize) -> usize {
+    configured.min(cap / PEER_SHARE_DIVISOR).max(1)
 }
 
 #[cfg(test)]
@@ -687,17 +776,15 @@ mod tests {
     }
 
     fn serving(handshake: &Handshake, socket: Socket) -> Conn {
-        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
-        let from_peer = Peers::default()
-            .take(std::net::IpAddr::from([127, 0, 0, 1]), 1)
-            .unwrap();
+        let remote = SocketAddr::from(([127, 0, 0, 1], 1));
+        let (place, _) = Room::new(1, 1, false).take(remote.ip()).unwrap();
         Conn {
             io: Box::new(socket),
             replay: &[],
-            caller: from_peer.caller(SocketAddr::from(([127, 0, 0, 1], 1))),
+            caller: place.caller(remote),
             stall: None,
             coalesce: handshake.multiplexed().then(Coalesce::default),
-            _slot: Slot::new(permit, from_peer, Gauge::noop()),
+            slot: Slot::new(place, Gauge::noop()),
         }
     }
 
@@ -809,6 +896,21 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_peer_never_has_more_than_half_the_ports_connections() {
+        // (port cap, configured per peer) -> per peer
+        let rows = [
+            ((10_000, 1_000), 1_000),
+            ((168, 1_000), 84),
+            ((3, 1_000), 1),
+            ((1, 1_000), 1),
+            ((168, 10), 10),
+        ];
+        for ((cap, configured), expected) in rows {
+            assert_eq!(peer_share(cap, configured), expected, "{cap} {configured}");
+        }
+    }
+
     /// Serving threads each run their own runtime; here one runtime stands in for them,
     /// which is all the dispatch sees.
     #[tokio::test]
@@ -818,6 +920,7 @@ mod tests {
         let port = Port {
             max_connections: 16,
             max_per_peer: 16,
+            make_room: false,
             handshake: Handshake::Http2 {
                 tls: None,
                 timeout: Duration::from_secs(5),

@@ -14,3 +14,4 @@ pub mod json;
 pub mod layers;
 pub mod pacemaker;
 pub mod peers;
+pub mod room;

@@ -104,6 +104,8 @@ pub struct ConnectionMetrics {
     pub open: Gauge,
     pub refused: Counter,
     pub handshake_failed: Counter,
+    /// Connections closed to make room for a newcomer at the cap.
+    pub closed_to_make_room: Counter,
 }
 
 pub struct Metrics {
@@ -499,6 +501,11 @@ impl Metrics {
             handshake_failed: counter(
                 &self.recorder,
                 "turnstile_connections_handshake_failed",
+                label(),
+            ),
+            closed_to_make_room: counter(
+                &self.recorder,
+                "turnstile_connections_closed_to_make_room",
                 label(),
             ),
         }

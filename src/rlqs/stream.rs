@@ -39,7 +39,7 @@ use super::{MAX_STREAM_BYTES, RlqsMetrics, Settings};
 use crate::config::DomainRules;
 use crate::config::active::ActiveRules;
 use crate::decision::FailurePolicy;
-use crate::edge::peers::{Caller, FromPeer, Peers};
+use crate::edge::peers::{Caller, FromPeer, Peers, StreamOpen};
 use crate::ops::metrics::{Metrics, StatsKey};
 
 /// What a bucket's first report is taken to cover (Envoy reports every 5 s).
@@ -121,11 +121,8 @@ impl RateLimitQuotaService for QuotaService {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
         let settings = &self.inner.settings;
-        let from_peer = match request
-            .extensions()
-            .get::<Caller>()
-            .map(|caller| caller.remote)
-        {
+        let caller = request.extensions().get::<Caller>();
+        let from_peer = match caller.map(|caller| caller.remote) {
             Some(peer) => {
                 let share = self
                     .inner
@@ -157,6 +154,7 @@ impl RateLimitQuotaService for QuotaService {
         let held = Held {
             _place: place,
             _from_peer: from_peer,
+            _on_connection: caller.map(Caller::stream),
         };
         let outbox = Outbox {
             tx,
@@ -171,10 +169,12 @@ impl RateLimitQuotaService for QuotaService {
     }
 }
 
-/// What an open stream holds: its place among all streams, and among its peer's.
+/// What an open stream holds: its place among all streams, and among its peer's; and a
+/// call in flight on its connection, which is then not closed to make room for another.
 struct Held {
     _place: OwnedSemaphorePermit,
     _from_peer: Option<FromPeer>,
+    _on_connection: Option<StreamOpen>,
 }
 
 /// Where a stream's answers go: to the transport, each once it has asked for it.
