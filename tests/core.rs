@@ -1,5 +1,6 @@
-//! The service end to end on the embedded memory backend: the real binary, over gRPC and
-//! HTTP, with rules in the reference's format.
+//! The service end to end on the embedded memory backend (one connection test holds calls
+//! at a frozen Redis): the real binary, over gRPC and HTTP, with rules in the reference's
+//! format.
 
 mod support;
 
@@ -1606,11 +1607,13 @@ async fn explain_reads_an_instance_counters_without_charging_them() {
     );
 }
 
-// Connections (issue 12, item 5): a connection that never finishes its handshake, a peer
-// that stops answering, a flood past the cap or past the open-files limit must not hold
-// the service; idle clients that answer pings (Envoy's connections) stay.
+// Connections (issue 12, item 5; issue 59): a connection that never finishes its handshake,
+// a peer that stops answering, a flood past the cap or past the open-files limit, from one
+// address or many, must not hold the service or keep a new client out; idle clients that
+// answer pings (Envoy's connections) stay, and busy ones are never closed.
 
 mod connections {
+    use std::net::{IpAddr, SocketAddr};
     use std::time::{Duration, Instant};
 
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -1667,8 +1670,40 @@ mod connections {
         TcpStream::connect(addr).await.expect("TCP connect")
     }
 
+    /// 127.0.0.`last`: each stands for a peer of its own.
+    fn loopback(last: u8) -> IpAddr {
+        IpAddr::from([127, 0, 0, last])
+    }
+
+    /// A connection from `source`.
+    async fn connect_from(source: IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::new(source, 0))?;
+        socket.connect(to).await
+    }
+
     async fn client(t: &Turnstile) -> RateLimitServiceClient<Channel> {
         RateLimitServiceClient::new(t.channel().await)
+    }
+
+    /// One connection from `source`, opened at once.
+    async fn channel_from(
+        t: &Turnstile,
+        source: IpAddr,
+    ) -> Result<Channel, tonic::transport::Error> {
+        Channel::from_shared(format!("http://{}", t.grpc))
+            .expect("uri")
+            .local_address(Some(source))
+            .connect_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+    }
+
+    async fn client_from(
+        t: &Turnstile,
+        source: IpAddr,
+    ) -> Result<RateLimitServiceClient<Channel>, tonic::transport::Error> {
+        Ok(RateLimitServiceClient::new(channel_from(t, source).await?))
     }
 
     /// Whether a call on a new connection is answered within `limit`, trying again while
@@ -1833,20 +1868,23 @@ mod connections {
         }
     }
 
+    /// At the cap, a newcomer from a peer holding as many connections as any is closed at
+    /// accept (one from a smaller peer would take an idle connection's place: see
+    /// `a_flood_never_keeps_a_new_client_out`). A cap of 4 gives each peer 2.
     #[tokio::test]
     async fn past_the_connection_cap_new_connections_are_closed_at_accept_open_ones_keep_working() {
         let (_rules, t) =
-            start(&["--grpc-max-connections", "3", "--http-max-connections", "2"]).await;
+            start(&["--grpc-max-connections", "4", "--http-max-connections", "2"]).await;
         let mut clients = Vec::new();
-        for _ in 0..3 {
-            let mut c = client(&t).await;
+        for source in [1, 1, 2, 2].map(loopback) {
+            let mut c = client_from(&t, source).await.expect("connect");
             decide(&mut c).await.expect("a connection within the cap");
             clients.push(c);
         }
         // Closed at once: the handshake timeout (10 s by default) has nothing to do with it.
         // Watched past that timeout, so that a close by it is seen, and fails the bound.
         let (after, _) = closed_after(
-            connect(t.grpc).await,
+            connect_from(loopback(2), t.grpc).await.expect("connect"),
             H2_PREFACE,
             b"",
             Duration::from_secs(15),
@@ -1885,14 +1923,19 @@ mod connections {
         }
         // A slot freed, once the server has seen the close, is taken again at once.
         clients.pop();
-        until_grpc_open(&t, 2.0).await;
-        decide(&mut client(&t).await)
+        until_grpc_open(&t, 3.0).await;
+        decide(&mut client_from(&t, loopback(2)).await.expect("connect"))
             .await
             .expect("a new connection in the freed slot");
         for (listener, refused) in [("grpc", 1.0), ("http", http_refused)] {
             let series = format!("turnstile_connections_refused{{listener=\"{listener}\"}}");
             assert_eq!(t.metric(&series).await, Some(refused), "{series}");
         }
+        assert_eq!(
+            t.metric("turnstile_connections_closed_to_make_room{listener=\"grpc\"}")
+                .await,
+            Some(0.0)
+        );
     }
 
     /// One peer address may hold only its share of the gRPC port's connections: past it its
@@ -1930,6 +1973,304 @@ mod connections {
         decide(&mut client(&t).await)
             .await
             .expect("a new connection in the peer's freed share");
+    }
+
+    /// What a flooding connection does once open.
+    #[derive(Clone, Copy, Debug)]
+    enum Flooding {
+        /// Nothing: it stays in its handshake until the handshake timeout.
+        IdleTcp,
+        /// The HTTP/2 preface and SETTINGS, then nothing: served, and idle.
+        IdleAfterPreface,
+    }
+
+    /// `per_address` connections from each of `addresses` (127.0.0.`first`, the next ...),
+    /// 256 at a time; the open ones (the server closes some at accept, or later for a
+    /// newcomer).
+    async fn flood(
+        t: &Turnstile,
+        first: u8,
+        addresses: u8,
+        per_address: usize,
+        flooding: Flooding,
+    ) -> Vec<TcpStream> {
+        use futures_util::StreamExt;
+        let sources =
+            (0..addresses).flat_map(|n| std::iter::repeat_n(loopback(first + n), per_address));
+        let grpc = t.grpc;
+        futures_util::stream::iter(sources)
+            .map(|source| async move {
+                let mut stream = connect_from(source, grpc).await.ok()?;
+                if let Flooding::IdleAfterPreface = flooding {
+                    stream.write_all(H2_PREFACE).await.ok()?;
+                }
+                Some(stream)
+            })
+            .buffer_unordered(256)
+            .filter_map(|stream| async { stream })
+            .collect()
+            .await
+    }
+
+    /// The gRPC port's `series` counter (or gauge), 0 when absent.
+    async fn grpc_metric(t: &Turnstile, series: &str) -> f64 {
+        let series = format!("turnstile_connections_{series}{{listener=\"grpc\"}}");
+        t.metric(&series).await.unwrap_or(0.0)
+    }
+
+    /// Wait (10 s at most) until the server has seen each of `flooded` connections: each is
+    /// open, refused, or was closed to make room.
+    async fn until_seen(t: &Turnstile, flooded: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut seen = 0.0;
+            for series in ["open", "refused", "closed_to_make_room"] {
+                seen += grpc_metric(t, series).await;
+            }
+            if seen >= flooded as f64 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{seen} of {flooded} seen");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// One call on a fresh connection from 127.0.0.1, at the first try: the connection and
+    /// the call each within their bound; how long they took, and the client (which keeps
+    /// its connection, as Envoy does).
+    async fn fresh_call(
+        t: &Turnstile,
+    ) -> Result<(Duration, RateLimitServiceClient<Channel>), String> {
+        let started = Instant::now();
+        let mut client = client_from(t, loopback(1))
+            .await
+            .map_err(|e| format!("connect: {e:?}"))?;
+        decide(&mut client).await.map_err(|e| format!("{e:?}"))?;
+        Ok((started.elapsed(), client))
+    }
+
+    /// No client can keep others out of the gRPC port (issue 59): with the port flooded by
+    /// one address or ten (each 127.0.0.x a peer of its own), idle in their handshake or
+    /// idle after it, at the default limits or under 256 open files, a client from
+    /// 127.0.0.1 gets a fresh connection and its call answered at the first try, three
+    /// times, and again right after the flood ends. One address cannot fill the port (a
+    /// peer has at most half of it); ten can, and the newcomer then takes the place of an
+    /// idle connection of the biggest.
+    ///
+    /// At the default limits a flood of ten addresses fills the port's 10 000 connections
+    /// as in the issue; a flood of one holds its 1 000. Rows: (open files, addresses, each
+    /// address's connections, what they do).
+    async fn flooded(rows: &[(Option<usize>, u8, usize, Flooding)]) {
+        for &(open_files, addresses, per_address, flooding) in rows {
+            let row = format!("{open_files:?} files, {addresses} x {per_address} {flooding:?}");
+            crate::support::turnstile::raise_open_files_limit(
+                usize::from(addresses) * per_address + 1_000,
+            );
+            let rules = super::Rules::new(RULES);
+            let args = ["--config", rules.path().to_str().unwrap()];
+            let t = match open_files {
+                Some(files) => {
+                    let limit = format!("--nofile={files}");
+                    Turnstile::start_under(&["prlimit", &limit, "--"], &args, &[]).await
+                }
+                None => Turnstile::start_with(&args, &[]).await,
+            };
+            let started = Instant::now();
+            let held = flood(&t, 2, addresses, per_address, flooding).await;
+            eprintln!("{row}: {} connected in {:?}", held.len(), started.elapsed());
+            until_seen(&t, usize::from(addresses) * per_address).await;
+            let flooded_in = started.elapsed();
+            let closed_by_flood = grpc_metric(&t, "closed_to_make_room").await;
+            let mut clients = Vec::new();
+            for attempt in 1..=3 {
+                let (took, client) = fresh_call(&t)
+                    .await
+                    .unwrap_or_else(|e| panic!("{row}: call {attempt} during the flood: {e}"));
+                eprintln!("{row}: call {attempt} answered in {took:?}");
+                clients.push(client);
+            }
+            let open = grpc_metric(&t, "open").await;
+            let closed = grpc_metric(&t, "closed_to_make_room").await;
+            drop(held);
+            let (took, _) = fresh_call(&t)
+                .await
+                .unwrap_or_else(|e| panic!("{row}: the call right after the flood: {e}"));
+            eprintln!(
+                "{row}: flooded in {flooded_in:?}, then {open} open, {closed_by_flood} closed \
+                 to make room by the flood, {closed} with the client's; after the flood \
+                 answered in {took:?}"
+            );
+            // Ten addresses fill the port: each of the client's connections took a place.
+            if addresses > 1 {
+                assert!(
+                    closed >= closed_by_flood + 3.0,
+                    "{row}: {closed_by_flood}, then {closed} closed to make room"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flood_never_keeps_a_new_client_out_at_the_default_limits() {
+        use Flooding::*;
+        flooded(&[
+            (None, 1, 1_200, IdleTcp),
+            (None, 1, 1_200, IdleAfterPreface),
+            (None, 10, 1_000, IdleTcp),
+            (None, 10, 1_000, IdleAfterPreface),
+        ])
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_flood_never_keeps_a_new_client_out_under_a_low_open_files_limit() {
+        use Flooding::*;
+        flooded(&[
+            (Some(256), 1, 400, IdleTcp),
+            (Some(256), 1, 400, IdleAfterPreface),
+            (Some(256), 10, 40, IdleTcp),
+            (Some(256), 10, 40, IdleAfterPreface),
+        ])
+        .await;
+    }
+
+    /// What keeps an Envoy-like client's connection busy.
+    #[derive(Clone, Copy, Debug)]
+    enum InFlight {
+        /// A long RLQS stream.
+        Stream,
+        /// A ShouldRateLimit call held at a frozen Redis.
+        FrozenBackend,
+    }
+
+    /// An Envoy-like client (127.0.0.2) among the biggest holders of a full port: of its
+    /// four connections, the two oldest each hold a call in flight, the other two are idle.
+    /// Twelve newcomers from addresses of their own each get their connection and call at
+    /// the first try, each by closing a spare connection (a flooder's, Envoy's idle ones,
+    /// then earlier newcomers'), and Envoy's calls are never cut: a stream ends cleanly
+    /// when Envoy ends it, a held call is answered once Redis thaws. A cap of 8 gives each
+    /// peer 4.
+    #[tokio::test]
+    async fn a_connection_with_a_call_in_flight_is_never_closed_to_make_room() {
+        use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageReports;
+        use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+        use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+
+        use crate::support::redis::RedisServer;
+
+        for in_flight in [InFlight::Stream, InFlight::FrozenBackend] {
+            let redis = matches!(in_flight, InFlight::FrozenBackend).then(RedisServer::start);
+            let url = redis.as_ref().map(RedisServer::url).unwrap_or_default();
+            let mut args = vec!["--grpc-max-connections", "8"];
+            if redis.is_some() {
+                // Calls wait for the frozen Redis as long as the test needs; a peer has two
+                // in flight at most, which tells when both are.
+                args.extend([
+                    "--backend",
+                    "redis",
+                    "--redis-url",
+                    &url,
+                    "--redis-timeout",
+                    "20s",
+                    "--request-timeout",
+                    "20s",
+                    "--max-in-flight-per-peer",
+                    "2",
+                ]);
+            }
+            let (_rules, t) = start(&args).await;
+            let envoy = loopback(2);
+            let mut busy = Vec::new();
+            for _ in 0..2 {
+                busy.push(channel_from(&t, envoy).await.expect("connect"));
+            }
+            let mut idle = Vec::new();
+            for _ in 0..2 {
+                let mut c = client_from(&t, envoy).await.expect("connect");
+                decide(&mut c).await.expect("a call");
+                idle.push(c);
+            }
+            let mut streams = Vec::new();
+            let mut held = Vec::new();
+            match &redis {
+                None => {
+                    for channel in busy {
+                        let (reports, rx) =
+                            tokio::sync::mpsc::channel::<RateLimitQuotaUsageReports>(1);
+                        let outbound = futures_util::stream::unfold(rx, |mut rx| async move {
+                            rx.recv().await.map(|report| (report, rx))
+                        });
+                        let answers = RateLimitQuotaServiceClient::new(channel)
+                            .stream_rate_limit_quotas(outbound)
+                            .await
+                            .expect("an RLQS stream")
+                            .into_inner();
+                        streams.push((reports, answers));
+                    }
+                }
+                Some(redis) => {
+                    redis.freeze();
+                    for channel in busy {
+                        let call = request("test", vec![descriptor(&[("wide", "held")])]);
+                        held.push(tokio::spawn(async move {
+                            RateLimitServiceClient::new(channel)
+                                .should_rate_limit(call)
+                                .await
+                        }));
+                    }
+                    // Both are in flight once Envoy's next call is refused for its share.
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    while decide(&mut idle[0]).await.map_err(|e| e.code())
+                        != Err(tonic::Code::ResourceExhausted)
+                    {
+                        assert!(Instant::now() < deadline, "the held calls never arrived");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }
+            let _flood = flood(&t, 3, 1, 4, Flooding::IdleAfterPreface).await;
+            until_grpc_open(&t, 8.0).await;
+            let mut newcomers = Vec::new();
+            for n in 0..12 {
+                let client = async {
+                    let mut client = client_from(&t, loopback(10 + n)).await?;
+                    decide(&mut client).await?;
+                    Ok::<_, Box<dyn std::error::Error>>(client)
+                }
+                .await
+                .unwrap_or_else(|e| panic!("{in_flight:?}: newcomer {n}: {e:?}"));
+                newcomers.push(client);
+            }
+            assert_eq!(
+                t.metric("turnstile_connections_closed_to_make_room{listener=\"grpc\"}")
+                    .await,
+                Some(12.0),
+                "{in_flight:?}"
+            );
+            for (n, (reports, mut answers)) in streams.into_iter().enumerate() {
+                drop(reports);
+                let end = tokio::time::timeout(Duration::from_secs(3), answers.message()).await;
+                assert!(
+                    matches!(end, Ok(Ok(None))),
+                    "Envoy's stream {n} did not end cleanly: {end:?}"
+                );
+            }
+            if let Some(redis) = &redis {
+                redis.thaw();
+            }
+            for (n, call) in held.into_iter().enumerate() {
+                let answer = tokio::time::timeout(Duration::from_secs(5), call)
+                    .await
+                    .unwrap_or_else(|_| panic!("Envoy's held call {n}: no answer in 5 s"))
+                    .expect("the call's task");
+                let code = answer.map(|a| a.into_inner().overall_code);
+                assert_eq!(
+                    code.map_err(|e| e.code()),
+                    Ok(Code::Ok as i32),
+                    "Envoy's held call {n}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -19,6 +19,27 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 /// passes its settings explicitly.
 pub const INHERITED_ENV: &[&str] = &["PATH", "HOME", "TMPDIR", "RUST_BACKTRACE"];
 
+/// Raise this process's open-files soft limit to its hard one (as turnstile does for
+/// itself), for a test that opens `needed` sockets at once; fails when even the hard limit
+/// is lower.
+pub fn raise_open_files_limit(needed: usize) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+        limit.rlim_cur = limit.rlim_max;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+    }
+    assert!(
+        limit.rlim_cur == libc::RLIM_INFINITY || limit.rlim_cur as usize >= needed,
+        "this test opens {needed} sockets, over the open-files hard limit {}",
+        limit.rlim_cur
+    );
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
