@@ -377,13 +377,16 @@ pub struct ServeArgs {
     /// Bound on a whole call, whatever it waits for.
     #[arg(long, env = "TURNSTILE_REQUEST_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub request_timeout: Duration,
-    /// Most open gRPC connections; past it new ones are closed at accept. Lowered at start-up
-    /// when the open-files limit would not hold them all.
+    /// Most open gRPC connections. At it, a new connection from a peer holding fewer than the
+    /// biggest peer takes the place of one of that peer's connections (in its handshake, or
+    /// idle); otherwise it is closed at accept. Lowered at start-up when the open-files limit
+    /// would not hold them all.
     #[arg(long, env = "TURNSTILE_GRPC_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub grpc_max_connections: usize,
-    /// Most open gRPC connections from one peer address; past it its new ones are closed at
-    /// accept, so one client cannot hold every connection. Envoy opens a few per worker
-    /// thread.
+    /// Most open gRPC connections from one peer (an IPv4 address, or an IPv6 /64); past it
+    /// its new ones are closed at accept, so one client cannot hold every connection. Never
+    /// more than half of --grpc-max-connections (as fitted to the open-files limit). Envoy
+    /// opens a few per worker thread.
     #[arg(long, env = "TURNSTILE_GRPC_MAX_CONNECTIONS_PER_PEER", default_value_t = 1_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub grpc_max_connections_per_peer: usize,
     /// A gRPC connection that has not finished TLS and sent the HTTP/2 preface by then is
