@@ -322,6 +322,14 @@ pub struct ServeArgs {
     pub prometheus_addr: String,
     #[arg(long, env = "PROMETHEUS_PATH", default_value = "/metrics")]
     pub prometheus_path: String,
+    /// A statsd_exporter mapping file for the reference's stats, in place of its built-in
+    /// mapping (Envoy Gateway mounts one). A file that does not load stops the start.
+    #[arg(long, env = "PROMETHEUS_MAPPER_YAML")]
+    pub prometheus_mapper_yaml: Option<PathBuf>,
+    /// Keep the built-in mapping's response time in milliseconds, as older releases of the
+    /// reference exported it.
+    #[arg(long, env = "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS")]
+    pub prometheus_response_time_as_milliseconds: bool,
 
     /// Poll the rules at this period instead of watching them with inotify (for file
     /// systems without change events). Either way, SIGHUP forces a reload.

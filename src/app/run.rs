@@ -38,6 +38,7 @@ use crate::edge::connections::{self, Handshake, Port};
 use crate::edge::grpc::{Edge, Places, ShouldRateLimitLayer};
 use crate::edge::health::{Health, Requirements};
 use crate::edge::layers::GrpcMetricsLayer;
+use crate::ops::mapper::Mapper;
 use crate::ops::metrics::Metrics;
 use crate::ops::statsd::StatsdRecorder;
 use crate::rlqs::{self, MemoryShares, ShareStore};
@@ -152,6 +153,19 @@ fn read(path: &std::path::PathBuf) -> anyhow::Result<Vec<u8>> {
 }
 
 /// The statsd exporter, flushing to STATSD_HOST:STATSD_PORT in the background.
+/// The mapping of the reference's stats: PROMETHEUS_MAPPER_YAML's, else the built-in one.
+fn stats_mapper(args: &ServeArgs) -> anyhow::Result<Mapper> {
+    let Some(path) = &args.prometheus_mapper_yaml else {
+        return Ok(Mapper::reference_default(
+            args.prometheus_response_time_as_milliseconds,
+        ));
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("PROMETHEUS_MAPPER_YAML {}: {e}", path.display()))?;
+    Mapper::from_yaml(&text)
+        .map_err(|e| anyhow::anyhow!("PROMETHEUS_MAPPER_YAML {}: {e}", path.display()))
+}
+
 async fn statsd(args: &ServeArgs) -> anyhow::Result<StatsdRecorder> {
     let target = tokio::net::lookup_host((args.statsd_host.as_str(), args.statsd_port))
         .await
@@ -221,16 +235,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         ConfigType::GrpcXdsSotw => Start::Xds(Box::new(xds_settings(&args)?)),
     };
+    let mapper = stats_mapper(&args)?;
     let statsd = match args.use_statsd {
         true => Some(statsd(&args).await?),
         false => None,
     };
-    let metrics = Arc::new(Metrics::with_statsd(
+    let metrics = Arc::new(Metrics::with_mapping(
         args.near_limit_ratio,
         crate::ops::metrics::SeriesBudget {
             max_series: args.max_series,
             max_bytes: args.max_series_bytes,
         },
+        mapper,
         statsd,
     ));
     metrics.spawn_upkeep(METRICS_UPKEEP_PERIOD);

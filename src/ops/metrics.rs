@@ -1,30 +1,34 @@
-//! Prometheus metrics under the reference's stat names, so existing dashboards keep working.
+//! The service's metrics: the reference's stats, and turnstile's own `turnstile_` series.
 //!
-//! The reference's statsd names (`ratelimit.service.rate_limit.<domain>.<key>.total_hits`)
-//! map to `ratelimit_service_rate_limit_total_hits{domain, key}`, as its default Prometheus
-//! mapping does. Series of configured rules always exist: the rules bound their number.
-//! Series whose labels come from requests (detailed metrics, overrides, unknown domains) have
-//! a budget of their own, in series and in bytes (a label is up to a descriptor's few KiB):
-//! past it they fold into one `_overflow_` series, so clients can neither grow memory without
-//! bound nor take the series of real rules away.
+//! The reference's stats keep its statsd names (`ratelimit.service.rate_limit.<key>.total_hits`)
+//! and become Prometheus series through its mapping (`stats`, `mapper`), so dashboards and
+//! alerts written for it read the same series here. Stats of configured rules always exist:
+//! the rules bound their number. Stats whose keys come from requests (detailed metrics,
+//! overrides, unknown domains) have a budget of their own, in keys and in bytes (a key is up
+//! to a descriptor's few KiB): past it they fold into one `_overflow_` key per domain, so
+//! clients can neither grow memory without bound nor take the series of real rules away; the
+//! mapped series are made from these keys, so the budget bounds them too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use std::time::Duration;
 
-use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString,
-    Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::PrometheusRecorder;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::decision::{BackendError, Outcome};
+use crate::ops::mapper::{sanitize_stat_name, Mapper};
+use crate::ops::stats::{Stats, Timer};
 use crate::ops::statsd::StatsdRecorder;
 
-/// gRPC methods with their own series; any other path is counted as "other".
+/// gRPC methods told apart; any other path is "other".
 const GRPC_METHODS: [&str; 4] = ["ShouldRateLimit", "Check", "Watch", "other"];
+
+/// How many of `GRPC_METHODS` are unary calls, which the reference counts and times (its
+/// stats come from a unary interceptor; streams have none).
+const UNARY_METHODS: usize = 2;
 
 /// Latency buckets, in seconds: a decision should take well under a millisecond.
 const LATENCY_BUCKETS: [f64; 12] = [
@@ -40,7 +44,7 @@ pub const DEFAULT_MAX_SERIES_BYTES: usize = 32 << 20;
 /// What one counter costs besides its labels: its key, handle and the exporter's entry.
 const COUNTER_OVERHEAD: usize = 256;
 
-/// Counters of one rule series.
+/// Counters of one rule's stats key.
 const RULE_COUNTERS: usize = 5;
 
 /// The bytes a series of `counters` counters labelled with `label_bytes` is accounted: each
@@ -90,7 +94,7 @@ pub struct RuleHit<'a> {
 /// Calls and latency of one gRPC method.
 struct MethodMetrics {
     total_requests: Counter,
-    response_time: Histogram,
+    response_time: Timer,
 }
 
 /// Which of `GRPC_METHODS` a call is, for `Metrics::observe`: an index, so that a call in
@@ -109,8 +113,10 @@ pub struct ConnectionMetrics {
 }
 
 pub struct Metrics {
-    /// Prometheus, and statsd when exported.
-    recorder: Recorders,
+    /// turnstile's own series.
+    recorder: PrometheusRecorder,
+    /// The reference's stats, mapped to series (and sent to statsd when exported).
+    stats: Stats,
     methods: Vec<MethodMetrics>,
     handle: PrometheusHandle,
     near_limit_ratio: f64,
@@ -123,6 +129,9 @@ pub struct Metrics {
     pub config_load_error: Counter,
     pub global_shadow_mode: Counter,
     pub invalid_request: Counter,
+    /// The reference's one count of failed backend calls.
+    backend_error: Counter,
+    /// Failed backend calls by kind.
     backend_errors: Vec<Counter>,
     pub backend_latency: Histogram,
     pub fallback_answers: Counter,
@@ -130,62 +139,6 @@ pub struct Metrics {
     pub memory_evictions: Counter,
     pub local_cache_hits: Counter,
     circuit_open: Gauge,
-}
-
-/// A counter handle, registered directly on our recorder (no global recorder, so several
-/// services can live in one process, as in tests).
-/// Prometheus, plus statsd for counters when it is exported.
-struct Recorders {
-    prometheus: PrometheusRecorder,
-    statsd: Option<StatsdRecorder>,
-}
-
-/// One counter counted by both recorders.
-struct Both(Counter, Counter);
-
-impl CounterFn for Both {
-    fn increment(&self, value: u64) {
-        self.0.increment(value);
-        self.1.increment(value);
-    }
-
-    fn absolute(&self, value: u64) {
-        self.0.absolute(value);
-        self.1.absolute(value);
-    }
-}
-
-impl Recorder for Recorders {
-    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.prometheus.describe_counter(key, unit, description);
-    }
-
-    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.prometheus.describe_gauge(key, unit, description);
-    }
-
-    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.prometheus.describe_histogram(key, unit, description);
-    }
-
-    fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
-        let prometheus = self.prometheus.register_counter(key, metadata);
-        match &self.statsd {
-            Some(statsd) => Counter::from_arc(Arc::new(Both(
-                prometheus,
-                statsd.register_counter(key, metadata),
-            ))),
-            None => prometheus,
-        }
-    }
-
-    fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> Gauge {
-        self.prometheus.register_gauge(key, metadata)
-    }
-
-    fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
-        self.prometheus.register_histogram(key, metadata)
-    }
 }
 
 /// The budget of series whose labels come from requests.
@@ -220,13 +173,13 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The series for `key` in `series`, made on first use. It is charged to `requested`'s
-/// budget; past the budget, new keys share one `_overflow_` series (which the budget holds
-/// room for, so it is never refused).
+/// budget; past the budget, new keys share the `overflow` key (which the budget holds room
+/// for, so it is never refused).
 fn capped<T: Clone>(
     requested: &mut Requested,
     series: impl Fn(&mut Requested) -> &mut HashMap<String, T>,
     budget: SeriesBudget,
-    key: &str,
+    (key, overflow): (&str, &str),
     counters: usize,
     make: impl FnOnce(&str) -> T,
 ) -> T {
@@ -234,13 +187,13 @@ fn capped<T: Clone>(
         return found.clone();
     }
     let bytes = series_bytes(counters, key.len());
-    let room = series_bytes(RULE_COUNTERS + 1, OVERFLOW.len());
+    let room = series_bytes(RULE_COUNTERS + 1, overflow.len());
     let fits =
         requested.series < budget.max_series && requested.bytes + bytes + room <= budget.max_bytes;
     let (key, bytes) = if fits {
         (key, bytes)
     } else {
-        (OVERFLOW, series_bytes(counters, OVERFLOW.len()))
+        (overflow, series_bytes(counters, overflow.len()))
     };
     let map = series(requested);
     if let Some(found) = map.get(key) {
@@ -260,58 +213,53 @@ fn counter(recorder: &dyn Recorder, name: &'static str, labels: Vec<Label>) -> C
 }
 
 impl Metrics {
-    /// Metrics whose request-driven series are at most `max_series`, in the default bytes.
+    /// Metrics whose request-driven series are at most `max_series`, in the default bytes,
+    /// with the reference's default mapping.
     pub fn new(near_limit_ratio: f64, max_series: usize) -> Metrics {
         let budget = SeriesBudget {
             max_series,
             ..SeriesBudget::default()
         };
-        Metrics::with_statsd(near_limit_ratio, budget, None)
+        Metrics::with_mapping(near_limit_ratio, budget, Mapper::reference_default(false), None)
     }
 
-    /// Metrics that are also exported to statsd through `statsd`.
-    pub fn with_statsd(
+    /// Metrics whose reference stats become series through `mapper`, and are also exported
+    /// to statsd through `statsd`.
+    pub fn with_mapping(
         near_limit_ratio: f64,
         budget: SeriesBudget,
+        mapper: Mapper,
         statsd: Option<StatsdRecorder>,
     ) -> Metrics {
-        let prometheus = PrometheusBuilder::new()
+        let recorder = PrometheusBuilder::new()
             .set_buckets(&LATENCY_BUCKETS)
             .expect("static, non-empty buckets")
             .build_recorder();
-        let handle = prometheus.handle();
-        let recorder = Recorders { prometheus, statsd };
+        let handle = recorder.handle();
+        let stats = Stats::new(mapper, statsd);
         let plain = |name| counter(&recorder, name, Vec::new());
-        let methods = GRPC_METHODS
+        let methods = GRPC_METHODS[..UNARY_METHODS]
             .iter()
-            .map(|&method| {
-                let label = || vec![Label::new("grpc_method", method)];
-                MethodMetrics {
-                    total_requests: counter(&recorder, "ratelimit_service_total_requests", label()),
-                    response_time: recorder.register_histogram(
-                        &Key::from_parts("ratelimit_service_response_time_seconds", label()),
-                        &METADATA,
-                    ),
-                }
+            .map(|method| MethodMetrics {
+                total_requests: stats.counter(&format!("ratelimit_server.{method}.total_requests")),
+                response_time: stats.timer(&format!("ratelimit_server.{method}.response_time")),
             })
             .collect();
+        let service = |name: &str| stats.counter(&format!("ratelimit.service.{name}"));
         Metrics {
             methods,
-            config_load_success: plain("ratelimit_service_config_load_success"),
-            config_load_error: plain("ratelimit_service_config_load_error"),
-            global_shadow_mode: plain("ratelimit_service_global_shadow_mode"),
-            invalid_request: counter(
-                &recorder,
-                "ratelimit_service_should_rate_limit_error",
-                vec![Label::new("err_type", "invalid_argument")],
-            ),
+            config_load_success: service("config_load_success"),
+            config_load_error: service("config_load_error"),
+            global_shadow_mode: service("global_shadow_mode"),
+            invalid_request: service("call.should_rate_limit.service_error"),
+            backend_error: service("call.should_rate_limit.redis_error"),
             backend_errors: BackendError::KINDS
                 .iter()
                 .map(|&kind| {
                     counter(
                         &recorder,
-                        "ratelimit_service_should_rate_limit_error",
-                        vec![Label::new("err_type", kind)],
+                        "turnstile_backend_errors",
+                        vec![Label::new("kind", kind)],
                     )
                 })
                 .collect(),
@@ -321,10 +269,11 @@ impl Metrics {
             ),
             fallback_answers: plain("turnstile_backend_fallback_answers"),
             memory_evictions: plain("turnstile_memory_evictions"),
-            local_cache_hits: plain("ratelimit_service_rate_limit_over_limit_with_local_cache"),
+            local_cache_hits: plain("turnstile_local_cache_hits"),
             circuit_open: recorder
                 .register_gauge(&Key::from_name("turnstile_backend_circuit_open"), &METADATA),
             recorder,
+            stats,
             handle,
             near_limit_ratio,
             rules: Mutex::default(),
@@ -350,9 +299,12 @@ impl Metrics {
         });
     }
 
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition: the reference's series, then turnstile's own.
     pub fn render(&self) -> String {
-        self.handle.render()
+        let mut text = String::new();
+        self.stats.render(&mut text);
+        text.push_str(&self.handle.render());
+        text
     }
 
     /// Counters for a stats key `<domain>.<rest>`, created on first use.
@@ -369,14 +321,17 @@ impl Metrics {
                     .or_insert_with(|| self.rule_counters(key))
                     .clone()
             }
-            StatsKey::Request(key) => capped(
-                &mut lock(&self.requested),
-                |r| &mut r.rules,
-                self.budget,
-                key,
-                RULE_COUNTERS,
-                |key| self.rule_counters(key),
-            ),
+            StatsKey::Request(key) => {
+                let domain = key.split_once('.').map_or(key.as_str(), |(d, _)| d);
+                capped(
+                    &mut lock(&self.requested),
+                    |r| &mut r.rules,
+                    self.budget,
+                    (key, &format!("{domain}.{OVERFLOW}")),
+                    RULE_COUNTERS,
+                    |key| self.rule_counters(key),
+                )
+            }
         }
     }
 
@@ -388,23 +343,17 @@ impl Metrics {
     }
 
     fn rule_counters(&self, stats_key: &str) -> Arc<RuleCounters> {
-        let (domain, key) = stats_key.split_once('.').unwrap_or((stats_key, ""));
-        let make = |name| {
-            counter(
-                &self.recorder,
-                name,
-                vec![
-                    Label::new("domain", domain.to_owned()),
-                    Label::new("key", key.to_owned()),
-                ],
-            )
+        let key = sanitize_stat_name(stats_key);
+        let make = |stat: &str| {
+            self.stats
+                .counter(&format!("ratelimit.service.rate_limit.{key}.{stat}"))
         };
         Arc::new(RuleCounters {
-            total_hits: make("ratelimit_service_rate_limit_total_hits"),
-            over_limit: make("ratelimit_service_rate_limit_over_limit"),
-            near_limit: make("ratelimit_service_rate_limit_near_limit"),
-            within_limit: make("ratelimit_service_rate_limit_within_limit"),
-            shadow_mode: make("ratelimit_service_rate_limit_shadow_mode"),
+            total_hits: make("total_hits"),
+            over_limit: make("over_limit"),
+            near_limit: make("near_limit"),
+            within_limit: make("within_limit"),
+            shadow_mode: make("shadow_mode"),
         })
     }
 
@@ -449,8 +398,9 @@ impl Metrics {
             .register_gauge(&Key::from_name(name), &METADATA)
     }
 
-    /// Count a failed backend call by its kind.
+    /// Count a failed backend call, by its kind too.
     pub fn backend_error(&self, error: &BackendError) {
+        self.backend_error.increment(1);
         let kind = error.kind();
         if let Some(i) = BackendError::KINDS.iter().position(|k| *k == kind) {
             self.backend_errors[i].increment(1);
@@ -474,9 +424,10 @@ impl Metrics {
 
     /// One call of `method`, answered in `elapsed`.
     pub fn observe(&self, method: GrpcMethod, elapsed: Duration) {
-        let method = &self.methods[method.0];
-        method.total_requests.increment(1);
-        method.response_time.record(elapsed.as_secs_f64());
+        if let Some(method) = self.methods.get(method.0) {
+            method.total_requests.increment(1);
+            method.response_time.observe(elapsed);
+        }
     }
 
     /// The circuit breaker moved to `state` ("open" or "closed").
@@ -520,14 +471,13 @@ impl Metrics {
             &mut lock(&self.requested),
             |r| &mut r.domains_not_found,
             self.budget,
-            domain,
+            (domain, OVERFLOW),
             1,
             |domain| {
-                counter(
-                    &self.recorder,
-                    "ratelimit_service_rate_limit_domain_not_found",
-                    vec![Label::new("domain", domain.to_owned())],
-                )
+                let domain = sanitize_stat_name(domain);
+                self.stats.counter(&format!(
+                    "ratelimit.service.rate_limit.{domain}.domain_not_found"
+                ))
             },
         )
         .increment(1);
@@ -571,6 +521,122 @@ mod tests {
         }
     }
 
+    /// Envoy Gateway's mapping file for its rate-limit deployment: the reference's default
+    /// mapping with the response time left in milliseconds (no `scale`).
+    fn envoy_gateway_mapper() -> Mapper {
+        Mapper::from_yaml(&crate::ops::mapper::REFERENCE_DEFAULT.replacen(", scale: 0.001}", "}", 1))
+            .unwrap()
+    }
+
+    /// A custom file: a drop, a regex with its own labels, everything else unmatched.
+    const CUSTOM: &str = r#"
+mappings:
+- match: ratelimit.service.rate_limit.*.*.within_limit
+  action: drop
+  name: dropped
+- match: 'ratelimit\.service\.rate_limit\.([^.]+)\.(.+)\.total_hits'
+  match_type: regex
+  name: rl_hits
+  labels: {domain: $1, path: $2}
+"#;
+
+    /// The reference's series (sample lines) after one admitted hit on `stats_key`.
+    fn series_after_one_hit(mapper: Mapper, stats_key: &str) -> String {
+        let m = Metrics::with_mapping(0.8, SeriesBudget::default(), mapper, None);
+        let rule = m.rule(&StatsKey::Rule(stats_key));
+        let o = outcome(true, 9);
+        let hit = RuleHit {
+            outcome: &o,
+            limit: 10,
+            hits: 1,
+            shadow: false,
+        };
+        m.record(&rule, hit);
+        let mut text = String::new();
+        m.stats.render(&mut text);
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    }
+
+    #[test]
+    fn descriptor_paths_become_the_series_each_mapping_file_makes() {
+        let default = || Mapper::reference_default(false);
+        let custom = || Mapper::from_yaml(CUSTOM).unwrap();
+        let rows: [(&str, fn() -> Mapper, &str, &str); 10] = [
+            ("default", default, "edge.plan_free", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
+            )),
+            ("default", default, "edge.plan_free.user", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
+            )),
+            ("default", default, "edge.a_1.b.c_3", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
+            )),
+            // An address's dots do not make levels; `:` becomes `_`.
+            ("default", default, "edge.remote_address_10.0.0.1", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
+            )),
+            ("default", default, "edge.path_/a:b", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
+            )),
+            // Envoy Gateway's keys: route paths with slashes, two levels.
+            ("envoy gateway", envoy_gateway_mapper, "default/eg/http.httproute/default/r/rule/0/match/0_x.rule-0-match-0_rule-0-match-0", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
+            )),
+            ("envoy gateway", envoy_gateway_mapper, "edge.plan_free", concat!(
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
+            )),
+            ("custom", custom, "edge.plan_free", concat!(
+                "rl_hits{domain=\"edge\",path=\"plan_free\"} 1\n",
+            )),
+            ("custom", custom, "edge.plan_free.user", concat!(
+                "ratelimit_service_rate_limit_edge_plan_free_user_within_limit 1\n",
+                "rl_hits{domain=\"edge\",path=\"plan_free.user\"} 1\n",
+            )),
+            ("custom", custom, "my-edge.k", concat!(
+                "rl_hits{domain=\"my-edge\",path=\"k\"} 1\n",
+            )),
+        ];
+        for (file, mapper, key, series) in rows {
+            assert_eq!(series_after_one_hit(mapper(), key), series, "{file}: {key}");
+        }
+    }
+
+    #[test]
+    fn response_time_is_a_histogram_in_seconds_or_in_milliseconds() {
+        let rows = [
+            (Mapper::reference_default(false), "0.025", "0.007"),
+            (envoy_gateway_mapper(), "10", "7"),
+        ];
+        for (mapper, le, sum) in rows {
+            let m = Metrics::with_mapping(0.8, SeriesBudget::default(), mapper, None);
+            let method = Metrics::grpc_method("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit");
+            m.observe(method, Duration::from_millis(7));
+            m.observe(Metrics::grpc_method("/grpc.health.v1.Health/Watch"), Duration::from_millis(7));
+            let text = m.render();
+            let labels = "grpc_method=\"ShouldRateLimit\"";
+            for line in [
+                format!("ratelimit_service_response_time_seconds_bucket{{{labels},le=\"{le}\"}} 1"),
+                format!("ratelimit_service_response_time_seconds_sum{{{labels}}} {sum}"),
+                format!("ratelimit_service_response_time_seconds_count{{{labels}}} 1"),
+                format!("ratelimit_service_total_requests{{{labels}}} 1"),
+                "# TYPE ratelimit_service_response_time_seconds histogram".to_owned(),
+            ] {
+                assert!(text.contains(&line), "{line} missing in\n{text}");
+            }
+            assert!(!text.contains("Watch"), "streams are not the reference's calls");
+        }
+    }
+
     #[test]
     fn rule_counters_follow_the_reference_arithmetic() {
         let m = Metrics::new(0.8, DEFAULT_MAX_SERIES);
@@ -600,7 +666,8 @@ mod tests {
         );
         let text = m.render();
         let line = |name: &str| {
-            let prefix = format!("{name}{{domain=\"dom\",key=\"key1_value1.subkey1\"}} ");
+            let prefix =
+                format!("{name}{{domain=\"dom\",key1=\"key1_value1\",key2=\"subkey1\"}} ");
             text.lines()
                 .find_map(|l| l.strip_prefix(&prefix))
                 .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
@@ -618,24 +685,29 @@ mod tests {
         let series = |text: &str, name: &str| text.lines().filter(|l| l.starts_with(name)).count();
         let m = Metrics::new(0.8, 3);
         for i in 0..50 {
-            m.rule(&StatsKey::Request(format!("d.user_{i}")));
+            let rule = m.rule(&StatsKey::Request(format!("d.user_{i}")));
+            rule.total_hits.increment(1);
             m.domain_not_found(&format!("nope{i}"));
         }
         let text = m.render();
-        // Three series in all, and each kind its own overflow series.
+        // Three keys in all, and each kind its own overflow key: rules keep their domain.
         assert_eq!(series(&text, "ratelimit_service_rate_limit_total_hits{"), 3);
+        assert!(text.contains(
+            "ratelimit_service_rate_limit_total_hits{domain=\"d\",key1=\"_overflow_\"} 48"
+        ));
+        // The reference names an unknown domain's stat after the domain; no mapping takes it.
+        assert_eq!(series(&text, "ratelimit_service_rate_limit_nope"), 1);
         assert_eq!(
-            series(&text, "ratelimit_service_rate_limit_domain_not_found{"),
-            2
+            series(&text, "ratelimit_service_rate_limit__overflow__domain_not_found 49"),
+            1
         );
-        assert!(text.contains(OVERFLOW));
 
         // A byte budget: long labels run out of it long before the series cap.
         let budget = SeriesBudget {
             max_series: 10_000,
             max_bytes: 1 << 20,
         };
-        let m = Metrics::with_statsd(0.8, budget, None);
+        let m = Metrics::with_mapping(0.8, budget, Mapper::reference_default(false), None);
         for i in 0..1_000 {
             m.rule(&StatsKey::Request(format!("d.{i}_{}", "v".repeat(4096))));
         }
@@ -675,7 +747,7 @@ mod tests {
         let text = m.render();
         for i in 0..100 {
             let line = format!(
-                "ratelimit_service_rate_limit_total_hits{{domain=\"d\",key=\"rule{i}\"}} 1"
+                "ratelimit_service_rate_limit_total_hits{{domain=\"d\",key1=\"rule{i}\"}} 1"
             );
             assert!(text.contains(&line), "{line} missing");
         }

@@ -4,6 +4,8 @@
 //! It may import `decision` and `algorithm` only (a metric counts an outcome), never
 //! `backend` or `config`, so every layer above can count what it does.
 
+pub mod mapper;
 pub mod metrics;
+pub mod stats;
 pub mod statsd;
 pub mod telemetry;

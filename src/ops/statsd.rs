@@ -1,7 +1,6 @@
 //! statsd export under the reference's stat names, for dashboards that read statsd.
 //!
-//! A `metrics` recorder beside the Prometheus one: every counter the service registers whose
-//! name the reference also has gets a cell here under the reference's dotted name
+//! Every reference stat (see `stats`) counts into a cell here under its dotted name
 //! (`ratelimit.service.rate_limit.<domain>.<key>.total_hits`, ...). A task sends the cells'
 //! increments since the last flush as statsd counters (`name:delta|c`) over UDP, every
 //! STATS_FLUSH_INTERVAL.
@@ -12,9 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
+use metrics::{Counter, CounterFn};
 use tokio::net::UdpSocket;
 
 /// Lines per datagram are kept under a common MTU.
@@ -39,73 +36,17 @@ pub struct StatsdRecorder {
     cells: Arc<Mutex<BTreeMap<String, Arc<Cell>>>>,
 }
 
-fn label<'k>(key: &'k Key, name: &str) -> &'k str {
-    key.labels()
-        .find(|l| l.key() == name)
-        .map_or("", |l| l.value())
-}
-
-/// The reference's name for one of our series, if it has one.
-fn statsd_name(key: &Key) -> Option<String> {
-    let name = key.name();
-    if let Some(stat) = name.strip_prefix("ratelimit_service_rate_limit_") {
-        let (domain, rule) = (label(key, "domain"), label(key, "key"));
-        return match stat {
-            "domain_not_found" => Some(format!(
-                "ratelimit.service.rate_limit.{domain}.domain_not_found"
-            )),
-            "total_hits" | "over_limit" | "near_limit" | "within_limit" | "shadow_mode" => Some(
-                format!("ratelimit.service.rate_limit.{domain}.{rule}.{stat}"),
-            ),
-            _ => None,
-        };
-    }
-    match name {
-        "ratelimit_service_config_load_success" => {
-            Some("ratelimit.service.config_load_success".into())
-        }
-        "ratelimit_service_config_load_error" => Some("ratelimit.service.config_load_error".into()),
-        "ratelimit_service_global_shadow_mode" => {
-            Some("ratelimit.service.global_shadow_mode".into())
-        }
-        "ratelimit_service_should_rate_limit_error" => Some(
-            match label(key, "err_type") {
-                "invalid_argument" => "ratelimit.service.call.should_rate_limit.service_error",
-                _ => "ratelimit.service.call.should_rate_limit.redis_error",
-            }
-            .into(),
-        ),
-        "ratelimit_service_total_requests" => Some(format!(
-            "ratelimit_server.{}.total_requests",
-            label(key, "grpc_method")
-        )),
-        _ => None,
-    }
-}
-
-impl Recorder for StatsdRecorder {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let Some(name) = statsd_name(key) else {
-            return Counter::noop();
-        };
-        let mut cells = self.cells.lock().unwrap_or_else(PoisonError::into_inner);
-        Counter::from_arc(cells.entry(name).or_default().clone())
-    }
-
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
-    }
-
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
-
 impl StatsdRecorder {
+    /// The cell of the counter named `name`, made on first use.
+    pub fn counter(&self, name: &str) -> Counter {
+        let mut cells = self.cells.lock().unwrap_or_else(PoisonError::into_inner);
+        let cell = match cells.get(name) {
+            Some(cell) => Arc::clone(cell),
+            None => Arc::clone(cells.entry(name.to_owned()).or_default()),
+        };
+        Counter::from_arc(cell)
+    }
+
     /// The increments since the last call, as statsd lines.
     fn drain(&self) -> Vec<String> {
         let cells = self.cells.lock().unwrap_or_else(PoisonError::into_inner);
@@ -162,24 +103,16 @@ fn datagrams(lines: Vec<String>) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use metrics::Label;
 
     #[test]
-    fn series_get_the_reference_names_and_flush_as_deltas() {
+    fn counters_flush_as_deltas() {
         let statsd = StatsdRecorder::default();
-        let meta = Metadata::new("t", metrics::Level::INFO, None);
-        let rule = Key::from_parts(
-            "ratelimit_service_rate_limit_total_hits",
-            vec![Label::new("domain", "d"), Label::new("key", "k_v.sub")],
-        );
-        statsd.register_counter(&rule, &meta).increment(3);
-        let errors = Key::from_parts(
-            "ratelimit_service_should_rate_limit_error",
-            vec![Label::new("err_type", "backend_timeout")],
-        );
-        statsd.register_counter(&errors, &meta).increment(1);
-        let ignored = Key::from_name("turnstile_backend_fallback_answers");
-        statsd.register_counter(&ignored, &meta).increment(1);
+        statsd
+            .counter("ratelimit.service.rate_limit.d.k_v.sub.total_hits")
+            .increment(3);
+        statsd
+            .counter("ratelimit.service.call.should_rate_limit.redis_error")
+            .increment(1);
         assert_eq!(
             statsd.drain(),
             [
