@@ -167,7 +167,7 @@ async fn unknown_domain_answers_ok_without_limits() {
     assert!(r.statuses[0].current_limit.is_none());
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
     assert!(
-        metrics.contains("ratelimit_service_rate_limit_domain_not_found{domain=\"elsewhere\"} 1"),
+        metrics.contains("ratelimit_service_rate_limit_elsewhere_domain_not_found 1"),
         "{metrics}"
     );
 }
@@ -212,8 +212,9 @@ async fn shadow_mode_counts_but_never_refuses() {
     assert!(over.statuses[0].current_limit.is_some());
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
     assert!(
-        metrics
-            .contains("ratelimit_service_rate_limit_shadow_mode{domain=\"test\",key=\"shadow\"} 1"),
+        metrics.contains(
+            "ratelimit_service_rate_limit_shadow_mode{domain=\"test\",key1=\"shadow\"} 1"
+        ),
         "{metrics}"
     );
 }
@@ -427,9 +428,9 @@ async fn http_endpoints_answer_as_the_reference() {
     );
     let (_, metrics) = t.http_get("/metrics").await.unwrap();
     for line in [
-        "ratelimit_service_rate_limit_total_hits{domain=\"test\",key=\"narrow\"} 2",
-        "ratelimit_service_rate_limit_over_limit{domain=\"test\",key=\"narrow\"} 1",
-        "ratelimit_service_rate_limit_within_limit{domain=\"test\",key=\"narrow\"} 1",
+        "ratelimit_service_rate_limit_total_hits{domain=\"test\",key1=\"narrow\"} 2",
+        "ratelimit_service_rate_limit_over_limit{domain=\"test\",key1=\"narrow\"} 1",
+        "ratelimit_service_rate_limit_within_limit{domain=\"test\",key1=\"narrow\"} 1",
         "ratelimit_service_config_load_success 1",
     ] {
         assert!(metrics.contains(line), "{line} missing in\n{metrics}");
@@ -595,10 +596,10 @@ async fn request_driven_memory_stays_within_its_byte_bounds() {
         (metrics.len() as u64) < SERIES_BYTES,
         "a scrape is bounded too"
     );
-    assert!(metrics.contains(r#"domain="_overflow_""#));
+    assert!(metrics.contains(r#"key1="_overflow_""#));
     // A configured rule first hit after the flood still gets its own series.
     let series = |name: &str| {
-        format!(r#"ratelimit_service_rate_limit_{name}{{domain="test",key="narrow"}}"#)
+        format!(r#"ratelimit_service_rate_limit_{name}{{domain="test",key1="narrow"}}"#)
     };
     let victims = VICTIMS as f64;
     assert_eq!(t.metric(&series("total_hits")).await, Some(3.0 * victims));
@@ -993,7 +994,8 @@ async fn the_reference_debug_and_prometheus_ports_serve_rules_and_metrics() {
     let (status, metrics) = get(&prometheus, "/prom").await;
     assert_eq!(status, 200);
     assert!(
-        metrics.contains("ratelimit_service_rate_limit_total_hits{domain=\"test\",key=\"wide\"} 1"),
+        metrics
+            .contains("ratelimit_service_rate_limit_total_hits{domain=\"test\",key1=\"wide\"} 1"),
         "{metrics}"
     );
 }
@@ -2924,5 +2926,124 @@ async fn ill_framed_calls_get_a_clear_status_and_count_nothing() {
         remaining(&after),
         [1],
         "only the well-framed call was counted"
+    );
+}
+
+/// PROMETHEUS_MAPPER_YAML decides the reference's series on every port that serves them, as
+/// the reference's statsd_exporter mapping does; a file that does not load stops the start.
+#[tokio::test]
+async fn a_mapper_file_shapes_the_reference_series_and_a_bad_one_stops_the_start() {
+    use support::turnstile::free_port;
+    let rules = Rules::new(
+        "domain: edge\ndescriptors:\n  - key: plan\n    value: free\n    rate_limit: {unit: hour, requests_per_unit: 10}\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 10}\n",
+    );
+    // Beside the rules' directory, not in it: every file there is rules.
+    let files = Rules::new("");
+    files.write(
+        "mapper.yaml",
+        r#"
+mappings:
+- match: ratelimit.service.rate_limit.*.*.within_limit
+  action: drop
+  name: dropped
+- match: 'ratelimit\.service\.rate_limit\.([^.]+)\.(.+)\.total_hits'
+  match_type: regex
+  name: rl_hits
+  labels: {domain: $1, path: $2}
+- match: ratelimit_server.*.response_time
+  name: rpc_ms
+  observer_type: histogram
+  buckets: [60000]
+  labels: {method: $1}
+"#,
+    );
+    let mapper = files.path().join("mapper.yaml");
+    let mapper = mapper.to_str().unwrap();
+    let prometheus = format!("127.0.0.1:{}", free_port());
+    let t = Turnstile::start_with(
+        &[
+            "--config",
+            rules.path().to_str().unwrap(),
+            "--use-prometheus",
+        ],
+        &[
+            ("PROMETHEUS_ADDR", prometheus.as_str()),
+            ("PROMETHEUS_MAPPER_YAML", mapper),
+        ],
+    )
+    .await;
+    for call in [
+        request("edge", vec![descriptor(&[("plan", "free")])]),
+        request(
+            "edge",
+            vec![descriptor(&[("plan", "free"), ("user", "u1")])],
+        ),
+        request("elsewhere", vec![descriptor(&[("plan", "free")])]),
+    ] {
+        t.call(call).await.unwrap();
+    }
+    // The health checks the harness makes are calls too; their count is not this test's.
+    let reference = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("turnstile_"))
+            .filter(|l| !l.contains("Check") && !l.starts_with("rpc_ms_sum"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let expected = [
+        "ratelimit_server_ShouldRateLimit_total_requests 3",
+        "ratelimit_service_config_load_success 1",
+        "ratelimit_service_rate_limit_edge_plan_free_user_within_limit 1",
+        "ratelimit_service_rate_limit_elsewhere_domain_not_found 1",
+        "rl_hits{domain=\"edge\",path=\"plan_free\"} 1",
+        "rl_hits{domain=\"edge\",path=\"plan_free.user\"} 1",
+        "rpc_ms_bucket{method=\"ShouldRateLimit\",le=\"60000\"} 3",
+        "rpc_ms_bucket{method=\"ShouldRateLimit\",le=\"+Inf\"} 3",
+        "rpc_ms_count{method=\"ShouldRateLimit\"} 3",
+    ];
+    let (status, main) = t.http_get("/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(reference(&main), expected, "{main}");
+    let (status, own) =
+        support::turnstile::http(prometheus.parse().unwrap(), "GET", "/metrics", "")
+            .await
+            .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(reference(&own), expected, "{own}");
+    assert!(main.contains("# TYPE rpc_ms histogram"), "{main}");
+
+    files.write("mapper.yaml", "mappings:\n- {match: 'a.b*', name: x}\n");
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args([
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .arg("--config")
+        .arg(rules.path())
+        .env("PROMETHEUS_MAPPER_YAML", mapper)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            serve.kill().unwrap();
+            serve.wait().unwrap();
+            panic!("serve started with a mapper file that does not load");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut serve.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(
+        stderr.contains("PROMETHEUS_MAPPER_YAML") && stderr.contains("invalid match: a.b*"),
+        "{stderr}"
     );
 }

@@ -181,7 +181,7 @@ async fn the_readme_demo_and_every_route_of_the_example() {
     for t in &top.turnstiles {
         let hits = t
             .metric(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key=\"generic_key_demo\"}",
+                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"generic_key_demo\"}",
             )
             .await;
         assert_eq!(

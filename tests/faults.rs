@@ -556,8 +556,7 @@ async fn exercise(scenario: &mut Scenario, fault: Fault, expect: Expect) -> Repo
                 "{name} {label}: {} calls failed over before the Redis timeout: {fell_back:?}",
                 fell_back.len()
             );
-            let series =
-                "ratelimit_service_should_rate_limit_error{err_type=\"backend_unavailable\"}";
+            let series = "turnstile_backend_errors{kind=\"backend_unavailable\"}";
             let errors = scenario.instances[member.instance].metric(series).await;
             assert_eq!(
                 errors.unwrap_or(0.0),
@@ -825,8 +824,7 @@ async fn every_fault_is_answered_by_policy_and_recovered_from() {
             );
             let mut errors = 0.0;
             for kind in ["backend_unavailable", "backend_timeout", "circuit_open"] {
-                let series =
-                    format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
+                let series = format!("turnstile_backend_errors{{kind=\"{kind}\"}}");
                 errors += t.metric(&series).await.unwrap_or(0.0);
             }
             assert!(errors > 0.0, "{name} {policy:?}: no backend errors counted");
@@ -1732,7 +1730,7 @@ async fn a_saturated_machine_does_not_open_the_breaker_on_a_healthy_redis() {
         .unwrap_or(0.0);
     let mut errors = Vec::new();
     for kind in ["backend_timeout", "backend_late", "backend_overloaded"] {
-        let series = format!("ratelimit_service_should_rate_limit_error{{err_type=\"{kind}\"}}");
+        let series = format!("turnstile_backend_errors{{kind=\"{kind}\"}}");
         errors.push((kind, t.metric(&series).await.unwrap_or(0.0)));
     }
     println!(

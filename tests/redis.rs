@@ -1401,11 +1401,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
         8,
         "the refused request charged nothing"
     );
-    assert!(
-        metrics
-            .render()
-            .contains("ratelimit_service_rate_limit_over_limit_with_local_cache 21")
-    );
+    assert!(metrics.render().contains("turnstile_local_cache_hits 21"));
 }
 
 // ---- TLS ----------------------------------------------------------------------------------

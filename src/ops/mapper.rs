@@ -51,7 +51,9 @@ pub enum Observer {
 }
 
 /// client_golang's `DefBuckets`, which statsd_exporter uses when a mapping names none.
-const DEFAULT_BUCKETS: [f64; 11] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+const DEFAULT_BUCKETS: [f64; 11] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// statsd_exporter's default quantiles.
 const DEFAULT_QUANTILES: [f64; 3] = [0.5, 0.9, 0.99];
@@ -155,7 +157,10 @@ impl Node {
         let Some((field, rest)) = fields.split_first() else {
             return;
         };
-        for (child, star) in [(self.children.get(*field), false), (self.children.get("*"), true)] {
+        for (child, star) in [
+            (self.children.get(*field), false),
+            (self.children.get("*"), true),
+        ] {
             let Some(child) = child else { continue };
             if !ordered && best.is_some() {
                 return;
@@ -216,7 +221,11 @@ impl Template {
         for (i, piece) in text.split(HOLE).enumerate() {
             if i > 0 {
                 // A hole with no reference left is written empty.
-                parts.push(order.next().map_or(Part::Text(String::new()), Part::Capture));
+                parts.push(
+                    order
+                        .next()
+                        .map_or(Part::Text(String::new()), Part::Capture),
+                );
             }
             if !piece.is_empty() {
                 parts.push(Part::Text(piece.to_owned()));
@@ -408,7 +417,9 @@ fn scalar(value: &Yaml, field: &str) -> Result<Option<String>, String> {
 fn number(value: &Yaml, field: &str) -> Result<f64, String> {
     match value {
         Yaml::Integer(i) => Ok(*i as f64),
-        Yaml::Real(_) => value.as_f64().ok_or_else(|| format!("{field}: not a number")),
+        Yaml::Real(_) => value
+            .as_f64()
+            .ok_or_else(|| format!("{field}: not a number")),
         _ => Err(format!("{field}: expected a number")),
     }
 }
@@ -570,7 +581,11 @@ impl Mapper {
             let rule = if is_regex {
                 let regex = Regex::new(&matched)
                     .map_err(|e| format!("invalid regex {matched} in mapping: {e}"))?;
-                Rule::Regex { regex, name, labels }
+                Rule::Regex {
+                    regex,
+                    name,
+                    labels,
+                }
             } else {
                 if !valid_glob(&matched) {
                     return Err(format!("invalid match: {matched}"));
@@ -608,10 +623,18 @@ impl Mapper {
                 );
             }
             let observer = if histogram {
-                let b = if buckets.is_empty() { default_buckets.clone() } else { buckets };
+                let b = if buckets.is_empty() {
+                    default_buckets.clone()
+                } else {
+                    buckets
+                };
                 Observer::Histogram(b.into())
             } else {
-                let q = if wanted.is_empty() { default_quantiles.clone() } else { wanted };
+                let q = if wanted.is_empty() {
+                    default_quantiles.clone()
+                } else {
+                    wanted
+                };
                 Observer::Summary(q.into())
             };
             let scale = match &node["scale"] {
@@ -814,9 +837,17 @@ mappings:
         )
         .unwrap();
         let c = Kind::Counter;
-        assert_eq!(mapped(&m, "a.b.c", c), "star_b{}", "first glob, not the exact one");
+        assert_eq!(
+            mapped(&m, "a.b.c", c),
+            "star_b{}",
+            "first glob, not the exact one"
+        );
         assert_eq!(mapped(&m, "a.b.d", c), "later_d{}");
-        assert_eq!(mapped(&m, "a.x.y.z", c), "regex_first{}", "no glob of that length");
+        assert_eq!(
+            mapped(&m, "a.x.y.z", c),
+            "regex_first{}",
+            "no glob of that length"
+        );
     }
 
     #[test]
@@ -891,11 +922,20 @@ mappings:
             Mapped::Series(s) => s,
             Mapped::Drop => panic!("dropped"),
         };
-        assert_eq!(series("t.x").observer, Observer::Histogram(vec![1.0, 2.0].into()));
+        assert_eq!(
+            series("t.x").observer,
+            Observer::Histogram(vec![1.0, 2.0].into())
+        );
         assert_eq!(series("s.x").observer, Observer::Summary(vec![0.9].into()));
-        assert_eq!(series("h.x").observer, Observer::Histogram(vec![5.0].into()));
+        assert_eq!(
+            series("h.x").observer,
+            Observer::Histogram(vec![5.0].into())
+        );
         assert_eq!(&*series("h.x").help, "Mine.");
-        assert_eq!(series("other").observer, Observer::Histogram(vec![1.0, 2.0].into()));
+        assert_eq!(
+            series("other").observer,
+            Observer::Histogram(vec![1.0, 2.0].into())
+        );
         assert_eq!(
             Mapper::from_yaml("mappings: []")
                 .unwrap()
@@ -915,15 +955,36 @@ mappings:
     fn files_that_do_not_load_say_why() {
         let rows = [
             ("mappings: [{match: a.b}]", "didn't set a metric name"),
-            ("mappings: [{match: 'a.b*', name: x}]", "invalid match: a.b*"),
+            (
+                "mappings: [{match: 'a.b*', name: x}]",
+                "invalid match: a.b*",
+            ),
             ("mappings: [{match: '1a', name: x}]", "invalid match: 1a"),
             ("mappings: [{match: a, name: '1x'}]", "metric name '1x'"),
-            ("mappings: [{match: a, name: x, labels: {k: v}}]", "invalid label key: k"),
-            ("mappings: [{match: '(', match_type: regex, name: x}]", "invalid regex ("),
-            ("mappings: [{match: a, name: x, match_type: fuzzy}]", "invalid match type"),
-            ("mappings: [{match: a, name: x, action: keep}]", "invalid action type"),
-            ("mappings: [{match: a, name: x, match_metric_type: set}]", "invalid metric type"),
-            ("mappings: [{match: a, name: x, observer_type: bar}]", "invalid observer type"),
+            (
+                "mappings: [{match: a, name: x, labels: {k: v}}]",
+                "invalid label key: k",
+            ),
+            (
+                "mappings: [{match: '(', match_type: regex, name: x}]",
+                "invalid regex (",
+            ),
+            (
+                "mappings: [{match: a, name: x, match_type: fuzzy}]",
+                "invalid match type",
+            ),
+            (
+                "mappings: [{match: a, name: x, action: keep}]",
+                "invalid action type",
+            ),
+            (
+                "mappings: [{match: a, name: x, match_metric_type: set}]",
+                "invalid metric type",
+            ),
+            (
+                "mappings: [{match: a, name: x, observer_type: bar}]",
+                "invalid observer type",
+            ),
             (
                 "mappings: [{match: a, name: x, observer_type: histogram, summary_options: {}}]",
                 "cannot use histogram observer and summary options",
@@ -937,7 +998,10 @@ mappings:
         }
         // Unknown fields are ignored (yaml.v2's non-strict read), an empty file maps nothing.
         assert!(Mapper::from_yaml("mappings: [{match: a, name: x, ttl: 1m, foo: 1}]").is_ok());
-        assert_eq!(mapped(&Mapper::from_yaml("").unwrap(), "a.b", Kind::Counter), "a_b{}");
+        assert_eq!(
+            mapped(&Mapper::from_yaml("").unwrap(), "a.b", Kind::Counter),
+            "a_b{}"
+        );
     }
 
     #[test]

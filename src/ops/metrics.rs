@@ -19,7 +19,7 @@ use metrics_exporter_prometheus::PrometheusRecorder;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::decision::{BackendError, Outcome};
-use crate::ops::mapper::{sanitize_stat_name, Mapper};
+use crate::ops::mapper::{Mapper, sanitize_stat_name};
 use crate::ops::stats::{Stats, Timer};
 use crate::ops::statsd::StatsdRecorder;
 
@@ -220,7 +220,12 @@ impl Metrics {
             max_series,
             ..SeriesBudget::default()
         };
-        Metrics::with_mapping(near_limit_ratio, budget, Mapper::reference_default(false), None)
+        Metrics::with_mapping(
+            near_limit_ratio,
+            budget,
+            Mapper::reference_default(false),
+            None,
+        )
     }
 
     /// Metrics whose reference stats become series through `mapper`, and are also exported
@@ -524,8 +529,12 @@ mod tests {
     /// Envoy Gateway's mapping file for its rate-limit deployment: the reference's default
     /// mapping with the response time left in milliseconds (no `scale`).
     fn envoy_gateway_mapper() -> Mapper {
-        Mapper::from_yaml(&crate::ops::mapper::REFERENCE_DEFAULT.replacen(", scale: 0.001}", "}", 1))
-            .unwrap()
+        Mapper::from_yaml(&crate::ops::mapper::REFERENCE_DEFAULT.replacen(
+            ", scale: 0.001}",
+            "}",
+            1,
+        ))
+        .unwrap()
     }
 
     /// A custom file: a drop, a regex with its own labels, everything else unmatched.
@@ -565,46 +574,92 @@ mappings:
         let default = || Mapper::reference_default(false);
         let custom = || Mapper::from_yaml(CUSTOM).unwrap();
         let rows: [(&str, fn() -> Mapper, &str, &str); 10] = [
-            ("default", default, "edge.plan_free", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
-            )),
-            ("default", default, "edge.plan_free.user", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
-            )),
-            ("default", default, "edge.a_1.b.c_3", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
-            )),
+            (
+                "default",
+                default,
+                "edge.plan_free",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                ),
+            ),
+            (
+                "default",
+                default,
+                "edge.plan_free.user",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\",key2=\"user\"} 1\n",
+                ),
+            ),
+            (
+                "default",
+                default,
+                "edge.a_1.b.c_3",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"a_1\",key2=\"b\"} 1\n",
+                ),
+            ),
             // An address's dots do not make levels; `:` becomes `_`.
-            ("default", default, "edge.remote_address_10.0.0.1", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
-            )),
-            ("default", default, "edge.path_/a:b", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
-            )),
+            (
+                "default",
+                default,
+                "edge.remote_address_10.0.0.1",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"remote_address_10_0_0_1\"} 1\n",
+                ),
+            ),
+            (
+                "default",
+                default,
+                "edge.path_/a:b",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"path_/a_b\"} 1\n",
+                ),
+            ),
             // Envoy Gateway's keys: route paths with slashes, two levels.
-            ("envoy gateway", envoy_gateway_mapper, "default/eg/http.httproute/default/r/rule/0/match/0_x.rule-0-match-0_rule-0-match-0", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
-            )),
-            ("envoy gateway", envoy_gateway_mapper, "edge.plan_free", concat!(
-                "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
-                "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
-            )),
-            ("custom", custom, "edge.plan_free", concat!(
-                "rl_hits{domain=\"edge\",path=\"plan_free\"} 1\n",
-            )),
-            ("custom", custom, "edge.plan_free.user", concat!(
-                "ratelimit_service_rate_limit_edge_plan_free_user_within_limit 1\n",
-                "rl_hits{domain=\"edge\",path=\"plan_free.user\"} 1\n",
-            )),
-            ("custom", custom, "my-edge.k", concat!(
-                "rl_hits{domain=\"my-edge\",path=\"k\"} 1\n",
-            )),
+            (
+                "envoy gateway",
+                envoy_gateway_mapper,
+                "default/eg/http.httproute/default/r/rule/0/match/0_x.rule-0-match-0_rule-0-match-0",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"default/eg/http\",key1=\"httproute/default/r/rule/0/match/0_x\",key2=\"rule-0-match-0_rule-0-match-0\"} 1\n",
+                ),
+            ),
+            (
+                "envoy gateway",
+                envoy_gateway_mapper,
+                "edge.plan_free",
+                concat!(
+                    "ratelimit_service_rate_limit_total_hits{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                    "ratelimit_service_rate_limit_within_limit{domain=\"edge\",key1=\"plan_free\"} 1\n",
+                ),
+            ),
+            (
+                "custom",
+                custom,
+                "edge.plan_free",
+                concat!("rl_hits{domain=\"edge\",path=\"plan_free\"} 1\n",),
+            ),
+            (
+                "custom",
+                custom,
+                "edge.plan_free.user",
+                concat!(
+                    "ratelimit_service_rate_limit_edge_plan_free_user_within_limit 1\n",
+                    "rl_hits{domain=\"edge\",path=\"plan_free.user\"} 1\n",
+                ),
+            ),
+            (
+                "custom",
+                custom,
+                "my-edge.k",
+                concat!("rl_hits{domain=\"my-edge\",path=\"k\"} 1\n",),
+            ),
         ];
         for (file, mapper, key, series) in rows {
             assert_eq!(series_after_one_hit(mapper(), key), series, "{file}: {key}");
@@ -619,9 +674,14 @@ mappings:
         ];
         for (mapper, le, sum) in rows {
             let m = Metrics::with_mapping(0.8, SeriesBudget::default(), mapper, None);
-            let method = Metrics::grpc_method("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit");
+            let method = Metrics::grpc_method(
+                "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            );
             m.observe(method, Duration::from_millis(7));
-            m.observe(Metrics::grpc_method("/grpc.health.v1.Health/Watch"), Duration::from_millis(7));
+            m.observe(
+                Metrics::grpc_method("/grpc.health.v1.Health/Watch"),
+                Duration::from_millis(7),
+            );
             let text = m.render();
             let labels = "grpc_method=\"ShouldRateLimit\"";
             for line in [
@@ -633,7 +693,10 @@ mappings:
             ] {
                 assert!(text.contains(&line), "{line} missing in\n{text}");
             }
-            assert!(!text.contains("Watch"), "streams are not the reference's calls");
+            assert!(
+                !text.contains("Watch"),
+                "streams are not the reference's calls"
+            );
         }
     }
 
@@ -666,8 +729,7 @@ mappings:
         );
         let text = m.render();
         let line = |name: &str| {
-            let prefix =
-                format!("{name}{{domain=\"dom\",key1=\"key1_value1\",key2=\"subkey1\"}} ");
+            let prefix = format!("{name}{{domain=\"dom\",key1=\"key1_value1\",key2=\"subkey1\"}} ");
             text.lines()
                 .find_map(|l| l.strip_prefix(&prefix))
                 .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
@@ -698,7 +760,10 @@ mappings:
         // The reference names an unknown domain's stat after the domain; no mapping takes it.
         assert_eq!(series(&text, "ratelimit_service_rate_limit_nope"), 1);
         assert_eq!(
-            series(&text, "ratelimit_service_rate_limit__overflow__domain_not_found 49"),
+            series(
+                &text,
+                "ratelimit_service_rate_limit__overflow__domain_not_found 49"
+            ),
             1
         );
 

@@ -155,7 +155,9 @@ impl Timer {
                 let mut s = lock(s);
                 let now = Instant::now();
                 while s.recent.len() >= SUMMARY_SAMPLES
-                    || s.recent.front().is_some_and(|(t, _)| now - *t > SUMMARY_WINDOW)
+                    || s.recent
+                        .front()
+                        .is_some_and(|(t, _)| now - *t > SUMMARY_WINDOW)
                 {
                     s.recent.pop_front();
                 }
@@ -314,9 +316,23 @@ fn render_series(out: &mut String, name: &str, labels: &Labels, cell: &Cell) {
             for (bound, count) in h.bounds.iter().zip(&h.counts) {
                 cumulative += count;
                 let le = go_float(*bound);
-                sample(out, name, "_bucket", labels, Some(("le", &le)), cumulative as f64);
+                sample(
+                    out,
+                    name,
+                    "_bucket",
+                    labels,
+                    Some(("le", &le)),
+                    cumulative as f64,
+                );
             }
-            sample(out, name, "_bucket", labels, Some(("le", "+Inf")), h.count as f64);
+            sample(
+                out,
+                name,
+                "_bucket",
+                labels,
+                Some(("le", "+Inf")),
+                h.count as f64,
+            );
             sample(out, name, "_sum", labels, None, h.sum);
             sample(out, name, "_count", labels, None, h.count as f64);
         }
