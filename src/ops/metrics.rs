@@ -304,10 +304,12 @@ impl Metrics {
         });
     }
 
-    /// The Prometheus text exposition: the reference's series, then turnstile's own.
+    /// The Prometheus text exposition: the reference's series, the process's, then
+    /// turnstile's own.
     pub fn render(&self) -> String {
         let mut text = String::new();
         self.stats.render(&mut text);
+        crate::ops::process::render(&mut text);
         text.push_str(&self.handle.render());
         text
     }

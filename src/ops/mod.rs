@@ -6,6 +6,7 @@
 
 pub mod mapper;
 pub mod metrics;
+pub mod process;
 pub mod stats;
 pub mod statsd;
 pub mod telemetry;

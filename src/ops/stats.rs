@@ -393,7 +393,7 @@ fn sample(
 
 /// A number as Go's `strconv.FormatFloat(v, 'g', -1, 64)` writes it, as the Prometheus
 /// client the reference uses does: shortest digits, exponent form from 1e+06 and below 1e-04.
-fn go_float(value: f64) -> String {
+pub(crate) fn go_float(value: f64) -> String {
     if value.is_nan() {
         return "NaN".into();
     }
