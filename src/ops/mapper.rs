@@ -519,6 +519,9 @@ impl Mapper {
             b if b.is_empty() => DEFAULT_BUCKETS.to_vec(),
             b => b,
         };
+        if default_buckets.windows(2).any(|w| w[0] >= w[1]) {
+            return Err("defaults: buckets must be in increasing order".to_owned());
+        }
         let default_quantiles = match quantiles_of(defaults)? {
             q if q.is_empty() => DEFAULT_QUANTILES.to_vec(),
             q => q,
@@ -621,6 +624,13 @@ impl Mapper {
                 return Err(
                     "cannot use summary observer and histogram options at the same time".into(),
                 );
+            }
+            // The Prometheus client the reference uses panics on these at the first event.
+            if buckets.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(format!("line {line}: buckets must be in increasing order"));
+            }
+            if wanted.iter().any(|q| !(0.0..=1.0).contains(q)) {
+                return Err(format!("line {line}: quantiles must be between 0 and 1"));
             }
             let observer = if histogram {
                 let b = if buckets.is_empty() {
@@ -988,6 +998,14 @@ mappings:
             (
                 "mappings: [{match: a, name: x, observer_type: histogram, summary_options: {}}]",
                 "cannot use histogram observer and summary options",
+            ),
+            (
+                "mappings: [{match: a, name: x, buckets: [2, 1]}]",
+                "increasing order",
+            ),
+            (
+                "mappings: [{match: a, name: x, quantiles: [{quantile: 2}]}]",
+                "between 0 and 1",
             ),
             ("mappings: {a: b}", "mappings: expected a list"),
             ("mappings: [\n", "while parsing"),
