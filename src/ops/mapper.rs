@@ -169,10 +169,10 @@ impl Node {
                 captures.push((*field).to_owned());
             }
             if rest.is_empty() {
-                if let Some(result) = child.result {
-                    if best.as_ref().is_none_or(|(p, _, _)| child.priority < *p) {
-                        *best = Some((child.priority, result, captures.clone()));
-                    }
+                if let Some(result) = child.result
+                    && best.as_ref().is_none_or(|(p, _, _)| child.priority < *p)
+                {
+                    *best = Some((child.priority, result, captures.clone()));
                 }
             } else {
                 child.find(rest, captures, ordered, best);

@@ -571,11 +571,14 @@ mappings:
             .collect()
     }
 
+    /// A mapping file's label, the file, a stats key, and the series text it makes.
+    type Row = (&'static str, fn() -> Mapper, &'static str, &'static str);
+
     #[test]
     fn descriptor_paths_become_the_series_each_mapping_file_makes() {
         let default = || Mapper::reference_default(false);
         let custom = || Mapper::from_yaml(CUSTOM).unwrap();
-        let rows: [(&str, fn() -> Mapper, &str, &str); 10] = [
+        let rows: [Row; 10] = [
             (
                 "default",
                 default,
@@ -645,7 +648,7 @@ mappings:
                 "custom",
                 custom,
                 "edge.plan_free",
-                concat!("rl_hits{domain=\"edge\",path=\"plan_free\"} 1\n",),
+                "rl_hits{domain=\"edge\",path=\"plan_free\"} 1\n",
             ),
             (
                 "custom",
@@ -660,7 +663,7 @@ mappings:
                 "custom",
                 custom,
                 "my-edge.k",
-                concat!("rl_hits{domain=\"my-edge\",path=\"k\"} 1\n",),
+                "rl_hits{domain=\"my-edge\",path=\"k\"} 1\n",
             ),
         ];
         for (file, mapper, key, series) in rows {

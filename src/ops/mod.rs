@@ -1,4 +1,5 @@
-//! What operators see of the process: Prometheus metrics, their statsd export, logs and
+//! What operators see of the process: Prometheus metrics (the reference's stats through its
+//! statsd_exporter mapping, the process's, turnstile's own), their statsd export, logs and
 //! traces.
 //!
 //! It may import `decision` and `algorithm` only (a metric counts an outcome), never
