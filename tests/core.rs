@@ -2982,10 +2982,16 @@ mappings:
     ] {
         t.call(call).await.unwrap();
     }
-    // The health checks the harness makes are calls too; their count is not this test's.
+    // The health checks the harness makes are calls too; their count is not this test's,
+    // nor are the process's series.
     let reference = |text: &str| -> Vec<String> {
         text.lines()
-            .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("turnstile_"))
+            .filter(|l| {
+                !l.is_empty()
+                    && !l.starts_with('#')
+                    && !l.starts_with("turnstile_")
+                    && !l.starts_with("process_")
+            })
             .filter(|l| !l.contains("Check") && !l.starts_with("rpc_ms_sum"))
             .map(str::to_owned)
             .collect()
