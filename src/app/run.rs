@@ -33,13 +33,14 @@ use crate::config::xds_client;
 use crate::decision::Charging;
 use crate::decision::FailurePolicy;
 use crate::edge;
-use crate::edge::admin::{self, Admin};
+use crate::edge::admin::{self, Admin, InFlight};
 use crate::edge::connections::{self, Handshake, Port};
 use crate::edge::grpc::{Edge, Places, ShouldRateLimitLayer};
 use crate::edge::health::{Health, Requirements};
 use crate::edge::layers::GrpcMetricsLayer;
 use crate::ops::mapper::Mapper;
 use crate::ops::metrics::Metrics;
+use crate::ops::rules_series::RulesSeries;
 use crate::ops::statsd::StatsdRecorder;
 use crate::rlqs::{self, MemoryShares, ShareStore};
 use crate::service::fallback::Fallback;
@@ -252,7 +253,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     metrics.spawn_upkeep(METRICS_UPKEEP_PERIOD);
     let (rules, feed): (_, Feed) = match start {
         Start::Files(rules) => {
-            metrics.config_load_success.increment(1);
+            RulesSeries::new(metrics.clone()).loaded(rules.version());
             tracing::info!(
                 path = %source.path.display(),
                 version = rules.version(),
@@ -381,11 +382,15 @@ async fn run<B: Backend>(
         .await
         .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
     tracing::info!(%grpc_addr, %http_addr, "listening");
+    // One cap on calls in flight for all serving threads: `ShouldRateLimit` takes its place
+    // once its message is here (`grpc`), the other methods as they start.
+    let in_flight = Arc::new(Semaphore::new(args.max_in_flight));
     let admin = Arc::new(Admin {
         limiter: limiter.clone(),
         rules,
         health: health.clone(),
         metrics: metrics.clone(),
+        in_flight: InFlight::new(in_flight.clone(), args.max_in_flight, &metrics),
     });
     // The main admin port, then the reference's optional ones: debug (/rlconfig) and a
     // Prometheus port of its own.
@@ -450,9 +455,6 @@ async fn run<B: Backend>(
         threads,
     );
     tracing::info!(threads, "serving gRPC");
-    // One cap on calls in flight for all serving threads: `ShouldRateLimit` takes its place
-    // once its message is here (`grpc`), the other methods as they start.
-    let in_flight = Arc::new(Semaphore::new(args.max_in_flight));
     // Two per serving thread: one deciding while the other waits for its backend.
     let costly = Arc::new(Semaphore::new(2 * threads));
     let quota = Arc::new(quota);

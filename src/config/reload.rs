@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::config::Source;
 use crate::config::active::ActiveRules;
 use crate::ops::metrics::Metrics;
+use crate::ops::rules_series::RulesSeries;
 
 /// Quiet time after the last file event before the rules are read.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
@@ -39,7 +40,7 @@ pub enum Reloaded {
 pub struct Reloader {
     source: Source,
     rules: Arc<ActiveRules>,
-    metrics: Arc<Metrics>,
+    series: RulesSeries,
 }
 
 impl Reloader {
@@ -47,7 +48,7 @@ impl Reloader {
         Reloader {
             source,
             rules,
-            metrics,
+            series: RulesSeries::new(metrics),
         }
     }
 
@@ -55,17 +56,18 @@ impl Reloader {
     pub fn reload(&self) -> Reloaded {
         match self.source.load() {
             Ok(rules) if rules.version() == self.rules.current().rules.version() => {
+                self.series.unchanged();
                 Reloaded::Unchanged
             }
             Ok(rules) => {
                 let version = rules.version().to_owned();
                 self.rules.replace(rules);
-                self.metrics.config_load_success.increment(1);
+                self.series.loaded(&version);
                 tracing::info!(%version, "rules reloaded");
                 Reloaded::Swapped { version }
             }
             Err(errors) => {
-                self.metrics.config_load_error.increment(1);
+                self.series.refused();
                 for error in &errors.0 {
                     tracing::error!(%error, "rules not reloaded; the previous rules stay in force");
                 }

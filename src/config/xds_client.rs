@@ -31,6 +31,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use crate::config::active::ActiveRules;
 use crate::config::xds::{self as rules, TYPE_URL, pb::RateLimitConfig};
 use crate::ops::metrics::Metrics;
+use crate::ops::rules_series::RulesSeries;
 
 /// Bound on one connection attempt (TCP and TLS).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -147,7 +148,7 @@ pub struct Client {
     settings: Settings,
     endpoint: Endpoint,
     rules: Arc<ActiveRules>,
-    metrics: Arc<Metrics>,
+    series: RulesSeries,
     /// The version of the last accepted response, sent on reconnects and NACKs.
     accepted: String,
 }
@@ -181,7 +182,7 @@ impl Client {
             settings,
             endpoint,
             rules,
-            metrics,
+            series: RulesSeries::new(metrics),
             accepted: String::new(),
         })
     }
@@ -282,13 +283,13 @@ impl Client {
             Ok(rules) => {
                 let domains = rules.domains().count();
                 self.rules.replace(rules);
-                self.metrics.config_load_success.increment(1);
+                self.series.acked(version);
                 tracing::info!(%version, domains, "rules from xDS in force");
                 Ok(())
             }
             Err(detail) => {
                 let detail = quote(&detail);
-                self.metrics.config_load_error.increment(1);
+                self.series.nacked();
                 for error in detail.lines() {
                     tracing::error!(%version, %error, "xDS rules refused; the previous rules stay in force");
                 }

@@ -23,7 +23,8 @@ use axum::routing::{get, post};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::sync::watch;
+use metrics::Gauge;
+use tokio::sync::{Semaphore, watch};
 
 use crate::backend::Backend;
 use crate::config::active::ActiveRules;
@@ -39,6 +40,34 @@ pub struct Admin<B> {
     pub rules: Arc<ActiveRules>,
     pub health: Arc<Health>,
     pub metrics: Arc<Metrics>,
+    pub in_flight: InFlight,
+}
+
+/// Calls in flight, read when scraped: the cap on them already counts them, so the call path
+/// does no more work for the series.
+pub struct InFlight {
+    places: Arc<Semaphore>,
+    max: usize,
+    gauge: Gauge,
+}
+
+impl InFlight {
+    /// Of the cap `places`, which holds `max` places.
+    pub fn new(places: Arc<Semaphore>, max: usize, metrics: &Metrics) -> InFlight {
+        metrics
+            .gauge("turnstile_calls_in_flight_limit")
+            .set(max as f64);
+        InFlight {
+            places,
+            max,
+            gauge: metrics.gauge("turnstile_calls_in_flight"),
+        }
+    }
+
+    fn update(&self) {
+        let taken = self.max.saturating_sub(self.places.available_permits());
+        self.gauge.set(taken as f64);
+    }
 }
 
 pub fn router<B: Backend>(admin: Arc<Admin<B>>) -> Router {
@@ -142,6 +171,7 @@ async fn rlconfig<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
 }
 
 async fn metrics<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    admin.in_flight.update();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         admin.metrics.render(),
