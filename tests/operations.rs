@@ -628,9 +628,11 @@ async fn a_live_prometheus_shows_every_panel_and_alerts_while_redis_is_down() {
     };
     let mut redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let url = redis.url();
-    let extra = vec!["--redis-url".to_owned(), url];
-    let instances = Turnstile::start_all(rules.path(), &[extra.clone(), extra]).await;
+    // The second in the reference's global shadow mode, so that its series have data too.
+    let enforcing = vec!["--redis-url".to_owned(), redis.url()];
+    let mut shadowing = enforcing.clone();
+    shadowing.push("--shadow-mode".to_owned());
+    let instances = Turnstile::start_all(rules.path(), &[enforcing, shadowing]).await;
     let prometheus = Prometheus::start(&binary, &[instances[0].http, instances[1].http]).await;
 
     // Each call hits an enforced rule (50/s) and a shadow-mode one (20/s), on both instances.
