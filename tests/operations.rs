@@ -679,17 +679,28 @@ async fn a_live_prometheus_shows_every_panel_and_alerts_while_redis_is_down() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // Under load with Redis up, limiting is on: no alert for longer than it would take.
+    // Under load with Redis up, limiting is on: the alert does not fire for longer than it
+    // would take to. A stray backend timeout on a busy machine may make it pending, which
+    // is what its `for:` is for.
     let (name, wait) = alerts()
         .into_iter()
         .find(|(name, _)| name == "TurnstileLimitingOff")
         .expect("the limiting-off alert");
     let wait = duration(&wait).expect("its for:") / SPEED_UP;
     let quiet_until = Instant::now() + wait + 2 * SCRAPE_INTERVAL;
+    let mut pending = 0;
     while Instant::now() < quiet_until {
-        assert_eq!(prometheus.alert(&name).await, [], "{name} with Redis up");
+        let states = prometheus.alert(&name).await;
+        if states.iter().any(|(_, state)| state == "firing") {
+            let errors = prometheus
+                .query("sum by (instance, kind) (increase(turnstile_backend_errors[1m])) > 0")
+                .await;
+            panic!("{name} firing with Redis up: {states:?}\nbackend errors: {errors:?}");
+        }
+        pending += usize::from(!states.is_empty());
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    println!("{name} pending in {pending} looks while Redis was up, never firing");
 
     // Redis stops: firing on both instances within its for: plus two scrapes.
     redis.stop();
