@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use support::load::{Load, Spec, Target};
 use support::redis::RedisServer;
-use support::turnstile::{Rules, Turnstile, descriptor, free_port, request};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use support::turnstile::{Rules, Turnstile, descriptor, free_port, http10_get as get, request};
 use yaml_rust2::{Yaml, YamlLoader};
 
 const ALERTS: &str = "deploy/prometheus/alerts.yaml";
@@ -558,31 +557,6 @@ fn encoded(text: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
-}
-
-/// One HTTP/1.0 GET (so the answer is not chunked), bounded in time.
-async fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr).await?;
-        let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-        stream.write_all(request.as_bytes()).await?;
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await?;
-        let text = String::from_utf8_lossy(&response).into_owned();
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    };
-    tokio::time::timeout(Duration::from_secs(10), exchange)
-        .await
-        .unwrap_or_else(|_| Err(std::io::Error::other("HTTP timeout")))
 }
 
 const RULES: &str = "\

@@ -375,6 +375,13 @@ async fn each_push_is_the_whole_rule_set_acked_or_nacked_with_the_old_rules_kept
         for (domain, limit) in ["d1", "d2"].into_iter().zip(limits) {
             wait_for_limit(&t, domain, limit).await;
         }
+        // What an alert reads: whether the last response was refused.
+        let refused = matches!(expect, Expect::Nack(_));
+        assert_eq!(
+            t.metric("turnstile_rules_last_load_refused").await,
+            Some(f64::from(u8::from(refused))),
+            "{version}"
+        );
         let health = raw_get(t.http, "/healthcheck").await.to_ascii_lowercase();
         assert!(health.starts_with("http/1.1 200"), "{health}");
         assert!(
@@ -415,6 +422,14 @@ async fn each_push_is_the_whole_rule_set_acked_or_nacked_with_the_old_rules_kept
     assert_eq!(
         t.metric("ratelimit_service_config_load_success").await,
         Some(4.0)
+    );
+    assert_eq!(
+        t.metric("turnstile_xds_responses{result=\"ack\"}").await,
+        Some(4.0)
+    );
+    assert_eq!(
+        t.metric("turnstile_xds_responses{result=\"nack\"}").await,
+        Some(2.0)
     );
 }
 

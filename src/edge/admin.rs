@@ -178,3 +178,26 @@ async fn metrics<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response {
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_in_flight_are_the_places_taken_when_scraped() {
+        let metrics = Metrics::new(0.8, 10);
+        let places = Arc::new(Semaphore::new(5));
+        let in_flight = InFlight::new(places.clone(), 5, &metrics);
+        let taken = places.try_acquire_many(3).expect("free places");
+        in_flight.update();
+        let text = metrics.render();
+        assert!(text.contains("turnstile_calls_in_flight 3\n"), "{text}");
+        assert!(
+            text.contains("turnstile_calls_in_flight_limit 5\n"),
+            "{text}"
+        );
+        drop(taken);
+        in_flight.update();
+        assert!(metrics.render().contains("turnstile_calls_in_flight 0\n"));
+    }
+}

@@ -340,12 +340,26 @@ pub async fn http(
     path: &str,
     body: &str,
 ) -> std::io::Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr).await?;
-        let request = format!(
+    exchange(
+        addr,
+        format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
-        );
+        ),
+    )
+    .await
+}
+
+/// A GET in HTTP/1.0, whose answer a server cannot chunk (Go servers, such as Prometheus,
+/// chunk a long answer to HTTP/1.1 even on a connection that closes after it).
+pub async fn http10_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    exchange(addr, format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")).await
+}
+
+/// Send `request`, read the answer to the end: its status and body.
+async fn exchange(addr: SocketAddr, request: String) -> std::io::Result<(u16, String)> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
         stream.read_to_end(&mut response).await?;
