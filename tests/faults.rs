@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use support::clock::{HOUR, clear_of_end};
 use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
-use support::redis::{RedisCluster, RedisServer};
+use support::redis::{Announcements, Engine, RedisCluster, RedisServer, SentinelGroup};
 use support::turnstile::{Rules, Turnstile, descriptor, request};
 use tokio::task::block_in_place;
 use tonic_health::pb::HealthCheckRequest;
@@ -1848,5 +1848,305 @@ async fn a_pause_of_turnstile_itself_fails_no_call() {
             failed.first()
         );
         assert_eq!(opened, 0.0, "{name}: the breaker opened with Redis healthy");
+    }
+}
+
+// ---- a master killed under load, followed ---------------------------------------------------
+
+const FAILOVER_RULES: &str = r#"
+domain: failover
+descriptors:
+  - key: fixed
+    rate_limit: {unit: hour, requests_per_unit: 200}
+  - key: sliding
+    rate_limit: {unit: hour, requests_per_unit: 200, algorithm: sliding_window}
+"#;
+const FAILOVER_LIMIT: usize = 200;
+/// From the promotion (the Sentinels' `+switch-master`, or the replica reporting the master
+/// role), every call sent this long after is decided by Redis again.
+const FOLLOWED_WITHIN: Duration = Duration::from_millis(100);
+/// Calls answered after the promotion that the checks need (a busy machine answers fewer per
+/// second).
+const MIN_AFTER: usize = 300;
+
+/// How the killed master is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Topology {
+    /// One master, one replica, three Sentinels (quorum two, `down-after-milliseconds 1000`).
+    Sentinel,
+    /// Three masters with a replica each (`cluster-node-timeout 1000`).
+    Cluster,
+}
+
+/// Redis of one topology, with what the test needs to kill and watch.
+enum Replicated {
+    Sentinel(Box<(SentinelGroup, Announcements)>),
+    Cluster(RedisCluster),
+}
+
+impl Replicated {
+    fn start(engine: Engine, topology: Topology) -> Replicated {
+        match topology {
+            Topology::Sentinel => {
+                let group = SentinelGroup::start(engine, "failover");
+                let heard = Announcements::listen(&group.sentinels[0]);
+                Replicated::Sentinel(Box::new((group, heard)))
+            }
+            Topology::Cluster => Replicated::Cluster(RedisCluster::start_on(
+                engine,
+                3,
+                1,
+                "cluster-node-timeout 1000\n",
+            )),
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let (url, kind) = match self {
+            Replicated::Sentinel(sentinel) => (sentinel.0.redis_url(), "sentinel"),
+            Replicated::Cluster(cluster) => (cluster.urls().join(","), "cluster"),
+        };
+        [
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-type",
+            kind,
+            "--redis-timeout",
+            REDIS_TIMEOUT,
+            "--redis-connect-timeout",
+            "1s",
+            "--on-backend-error",
+            "error",
+            // Every call asks Redis: a refusal cached locally would hide the outage.
+            "--local-cache-entries",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// Wait until every replica has what its master wrote.
+    fn caught_up(&self) {
+        match self {
+            Replicated::Sentinel(sentinel) => {
+                let group = &sentinel.0;
+                let written: u64 = group
+                    .master
+                    .info("replication", "master_repl_offset")
+                    .and_then(|v| v.parse().ok())
+                    .expect("master_repl_offset");
+                group
+                    .replica
+                    .wait_until(Duration::from_secs(10), "replica caught up", |r| {
+                        r.info("replication", "slave_repl_offset")
+                            .and_then(|v| v.parse::<u64>().ok())
+                            .is_some_and(|offset| offset >= written)
+                    });
+            }
+            Replicated::Cluster(cluster) => replicas_caught_up(cluster),
+        }
+    }
+
+    /// `kill -9` the master holding the fixed window's key; then wait for its replacement:
+    /// when the Sentinels announced it, or when its replica reported the master role.
+    fn kill_and_await_promotion(&mut self) -> (Instant, Instant) {
+        match self {
+            Replicated::Sentinel(sentinel) => {
+                let (group, heard) = &mut **sentinel;
+                let killed_at = Instant::now();
+                group.master.stop();
+                let promoted = heard
+                    .first(Duration::from_secs(30))
+                    .expect("the Sentinels announced no +switch-master within 30 s");
+                (killed_at, promoted)
+            }
+            Replicated::Cluster(cluster) => {
+                let owner = master_holding(cluster, "*fixed*");
+                let port = cluster.nodes[owner].port().to_string();
+                let replica = cluster
+                    .nodes
+                    .iter()
+                    .position(|n| {
+                        n.info("replication", "master_port").as_deref() == Some(port.as_str())
+                    })
+                    .expect("the master's replica");
+                let killed_at = Instant::now();
+                cluster.nodes[owner].stop();
+                cluster.nodes[replica].wait_until(
+                    Duration::from_secs(30),
+                    "the replica took over",
+                    |r| r.role().as_deref() == Some("master"),
+                );
+                let promoted = Instant::now();
+                (killed_at, promoted)
+            }
+        }
+    }
+}
+
+/// A master killed under load (two instances, four streams each, the `error` policy so an
+/// outage shows as errors), on each topology and engine: every call sent from shortly after
+/// the promotion on is decided by Redis again, and neither limit (spent before the kill,
+/// replicas in sync) admits anything more. Prints the outage (first error to last) and when
+/// the last error came, from the promotion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_is_followed_as_soon_as_it_is_replaced() {
+    let _serial = load::serial().await;
+    for engine in Engine::available() {
+        for topology in [Topology::Sentinel, Topology::Cluster] {
+            let row = format!("{} {topology:?}", engine.name());
+            let mut redis = block_in_place(|| Replicated::start(engine, topology));
+            let rules = Rules::new(FAILOVER_RULES);
+            let args = redis.args();
+            let instances = Turnstile::start_all(rules.path(), &[args.clone(), args]).await;
+            clear_of_end(HOUR, EXERCISE_SPAN).await;
+            let mut targets = Vec::new();
+            for _ in 0..2 {
+                for (i, t) in instances.iter().enumerate() {
+                    for (n, key) in ["fixed", "sliding"].into_iter().enumerate() {
+                        targets.push(Target {
+                            id: 2 * i + n,
+                            channel: t.channel().await,
+                            request: request("failover", vec![descriptor(&[(key, "spent")])]),
+                        });
+                    }
+                }
+            }
+            let mut spec = Spec::new(targets, 8);
+            spec.pace = PACE;
+            spec.max_time = Duration::from_secs(40);
+            let load = Load::start(spec);
+            let is_fixed = |s: &Sample| s.target.is_multiple_of(2);
+            // Both limits spent, and refusing, before the kill.
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let samples = load.snapshot();
+                let spent = [true, false].iter().all(|&fixed| {
+                    let refused = samples
+                        .iter()
+                        .filter(|s| is_fixed(s) == fixed)
+                        .filter(|s| matches!(s.answer, Answer::OverLimit(_)));
+                    refused.count() >= 50
+                });
+                if spent {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{row}: the limits were not spent: {} calls, {} admitted, {} failed (first {:?})",
+                    samples.len(),
+                    samples.iter().filter(|s| s.answer.admitted()).count(),
+                    samples.iter().filter(|s| s.answer.failed()).count(),
+                    samples
+                        .iter()
+                        .find(|s| s.answer.failed())
+                        .map(|s| &s.answer)
+                );
+            }
+            block_in_place(|| redis.caught_up());
+            let (killed_at, promoted) = block_in_place(|| redis.kill_and_await_promotion());
+            // Until no call has failed for a second and enough were answered since the promotion
+            // (bounded).
+            let give_up = promoted + Duration::from_secs(15);
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let samples = load.snapshot();
+                let last_error = samples
+                    .iter()
+                    .filter(|s| s.answer.failed())
+                    .map(|s| s.answered)
+                    .max();
+                let quiet_since = last_error.map_or(promoted, |at| at.max(promoted));
+                let after = samples.iter().filter(|s| s.sent >= promoted).count();
+                let done = quiet_since.elapsed() > Duration::from_secs(1) && after > MIN_AFTER;
+                if done || Instant::now() > give_up {
+                    break;
+                }
+            }
+            let samples = load.stop().await;
+            drop(instances);
+
+            // A call that timed out before the kill is the machine's, not the failover's.
+            let errors: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| s.answer.failed() && s.answered >= killed_at)
+                .collect();
+            let outage = match (errors.first(), errors.iter().map(|s| s.answered).max()) {
+                (Some(first), Some(last)) => last - first.sent,
+                _ => Duration::ZERO,
+            };
+            let since = |at: Instant| -> String {
+                if at >= promoted {
+                    format!("+{:?}", at - promoted)
+                } else {
+                    format!("-{:?}", promoted - at)
+                }
+            };
+            let last_error = errors.iter().map(|s| s.sent).max();
+            let since_kill = |at: Instant| -> String {
+                if at >= killed_at {
+                    format!("+{:?}", at - killed_at)
+                } else {
+                    format!("-{:?}", killed_at - at)
+                }
+            };
+            // Failing fast (an open circuit) or reaching no master is the failover's; a lone
+            // Redis timeout (100 ms) or a call late in turnstile's own queue, on a busy machine,
+            // is not, and is counted apart.
+            let late = |s: &&&Sample| s.sent >= promoted + FOLLOWED_WITHIN;
+            let timed_out = |s: &&&Sample| {
+                matches!(&s.answer, Answer::Failed(_, message)
+                    if message.contains("timed out") || message.contains("late"))
+            };
+            let unfollowed: Vec<String> = errors
+                .iter()
+                .filter(late)
+                .filter(|s| !timed_out(s))
+                .take(5)
+                .map(|s| format!("sent {}: {:?}", since(s.sent), s.answer))
+                .collect();
+            let late_timeouts = errors.iter().filter(late).filter(timed_out).count();
+            let admitted = |fixed: bool| {
+                samples
+                    .iter()
+                    .filter(|s| is_fixed(s) == fixed && s.answer.admitted())
+                    .count()
+            };
+            let after = samples.iter().filter(|s| s.sent >= promoted).count();
+            println!(
+                "[faults] failover {row:<16} promotion +{:.2?} after the kill; {} calls, {} errors; outage (first error to last) {outage:.2?}, first error sent {} from the kill, last {} from the promotion ({late_timeouts} timeouts or late after +100 ms); admitted fixed {} sliding {} of {FAILOVER_LIMIT}",
+                promoted - killed_at,
+                samples.len(),
+                errors.len(),
+                errors.first().map_or("-".into(), |s| since_kill(s.sent)),
+                last_error.map_or("-".into(), since),
+                admitted(true),
+                admitted(false),
+            );
+            assert!(
+                after > MIN_AFTER,
+                "{row}: only {after} calls after the promotion"
+            );
+            assert!(
+                unfollowed.is_empty(),
+                "{row}: calls sent {FOLLOWED_WITHIN:?} or more after the promotion failed: {unfollowed:?}"
+            );
+            assert!(
+                late_timeouts <= 8,
+                "{row}: {late_timeouts} calls timed out after the promotion"
+            );
+            // A call that timed out may have been charged all the same: at most the limit.
+            for fixed in [true, false] {
+                assert!(
+                    admitted(fixed) <= FAILOVER_LIMIT,
+                    "{row}: the {} window admitted {} past its limit of {FAILOVER_LIMIT}",
+                    if fixed { "fixed" } else { "sliding" },
+                    admitted(fixed)
+                );
+            }
+        }
     }
 }

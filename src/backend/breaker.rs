@@ -20,6 +20,10 @@
 //!   how late the runtime wakes it; a timeout counts only if that lag stayed under half the
 //!   time the call waited.
 //!
+//! A switch of the backend to a new server (a failover followed: [`Backend::switches`]) is new
+//! evidence, not a retry: an open circuit closes at once, without waiting for its backoff,
+//! and a call sent before the switch that fails after it says nothing of the new server.
+//!
 //! The failure policy (fallback) then answers the failed calls; the breaker only decides
 //! whether the backend is worth asking.
 
@@ -57,14 +61,17 @@ enum State {
     Closed {
         failures: u32,
     },
-    /// Failing fast until `until`, then one probe may pass.
+    /// Failing fast until `until`, then one probe may pass; or as soon as the backend
+    /// switches to a new server (`switches` changes).
     Open {
         until: Instant,
         backoff: Duration,
+        switches: u64,
     },
     /// One probe is in flight; everything else fails fast.
     Probing {
         backoff: Duration,
+        switches: u64,
     },
 }
 
@@ -126,12 +133,26 @@ impl Core {
         matches!(*self.state(), State::Closed { .. })
     }
 
-    fn admit(&self) -> Admission {
+    /// Whether a call may go to the backend, which has switched servers `switches` times.
+    fn admit(&self, switches: u64) -> Admission {
         let mut state = self.state();
         match *state {
             State::Closed { .. } => Admission::Call,
-            State::Open { until, backoff } if Instant::now() >= until => {
-                *state = State::Probing { backoff };
+            State::Open { switches: then, .. } | State::Probing { switches: then, .. }
+                if then != switches =>
+            {
+                tracing::info!("the backend switched to a new server: circuit closed");
+                self.metrics.circuit_transition("closed");
+                self.metrics.set_circuit_open(false);
+                *state = State::Closed { failures: 0 };
+                Admission::Call
+            }
+            State::Open {
+                until,
+                backoff,
+                switches,
+            } if Instant::now() >= until => {
+                *state = State::Probing { backoff, switches };
                 Admission::Probe
             }
             State::Open { .. } | State::Probing { .. } => Admission::Reject,
@@ -148,7 +169,13 @@ impl Core {
         }
     }
 
-    fn record(&self, evidence: Evidence, probe: bool) {
+    /// What a call sent when the backend had switched `sent` times says, now that it has
+    /// switched `now` times: a failure from before a switch is about a server left behind.
+    fn record(&self, evidence: Evidence, probe: bool, sent: u64, now: u64) {
+        let evidence = match evidence {
+            Evidence::Fails if sent != now => Evidence::Inconclusive,
+            evidence => evidence,
+        };
         match evidence {
             Evidence::Works => self.succeeded(),
             // A probe that meets a full backend (memory, or Redis out of memory) or a lagging
@@ -156,7 +183,7 @@ impl Core {
             // answered, or nothing says it would not have.
             Evidence::Inconclusive if probe => self.succeeded(),
             Evidence::Inconclusive => {}
-            Evidence::Fails => self.failed(probe),
+            Evidence::Fails => self.failed(probe, now),
         }
     }
 
@@ -170,11 +197,12 @@ impl Core {
         *state = State::Closed { failures: 0 };
     }
 
-    fn failed(&self, probe: bool) {
+    fn failed(&self, probe: bool, switches: u64) {
         let mut state = self.state();
         let open = |backoff: Duration| State::Open {
             until: Instant::now() + backoff,
             backoff,
+            switches,
         };
         match *state {
             State::Closed { failures } if failures + 1 >= self.config.failures_to_open => {
@@ -188,7 +216,7 @@ impl Core {
                     failures: failures + 1,
                 }
             }
-            State::Probing { backoff } if probe => {
+            State::Probing { backoff, .. } if probe => {
                 *state = open((backoff * 2).min(self.config.max_backoff));
             }
             // A call admitted before the circuit opened failed late: nothing to change.
@@ -199,10 +227,11 @@ impl Core {
     /// A call was abandoned by its caller: if it was the probe, the next call probes.
     fn abandoned(&self, probe: bool) {
         let mut state = self.state();
-        if let (true, State::Probing { backoff }) = (probe, *state) {
+        if let (true, State::Probing { backoff, switches }) = (probe, *state) {
             *state = State::Open {
                 until: Instant::now(),
                 backoff,
+                switches,
             };
         }
     }
@@ -220,11 +249,13 @@ fn check<B: Backend>(inner: &Arc<B>, core: &Arc<Core>) {
     let (inner, core) = (Arc::clone(inner), Arc::clone(core));
     runtime.spawn(async move {
         let started = Instant::now();
+        let sent = inner.switches();
         let result = match inner.ready().await {
             true => Ok(Vec::new()),
             false => Err(BackendError::Timeout),
         };
-        core.record(core.judge(&result, started.elapsed()), false);
+        let evidence = core.judge(&result, started.elapsed());
+        core.record(evidence, false, sent, inner.switches());
         core.checking.store(false, Ordering::Release);
     });
 }
@@ -252,7 +283,8 @@ impl<B: Backend> Backend for Breaker<B> {
         hits: &[Hit],
         charging: Charging,
     ) -> Result<Vec<Outcome>, BackendError> {
-        let probe = match self.core.admit() {
+        let sent = self.inner.switches();
+        let probe = match self.core.admit(sent) {
             Admission::Reject => return Err(BackendError::CircuitOpen),
             Admission::Probe => true,
             Admission::Call => false,
@@ -266,8 +298,9 @@ impl<B: Backend> Backend for Breaker<B> {
         let result = self.inner.evaluate(hits, charging).await;
         if !matches!(result, Err(BackendError::Late | BackendError::Overloaded)) {
             abandoned.armed = false;
+            let evidence = self.core.judge(&result, started.elapsed());
             self.core
-                .record(self.core.judge(&result, started.elapsed()), probe);
+                .record(evidence, probe, sent, self.inner.switches());
         }
         result
     }
@@ -280,7 +313,7 @@ impl<B: Backend> Backend for Breaker<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
 
     /// A backend whose behaviour the test switches, counting the calls that reach it.
     #[derive(Default)]
@@ -295,6 +328,8 @@ mod tests {
         stall: AtomicBool,
         /// Calls answer late: they waited in this process.
         late: AtomicBool,
+        /// Servers switched to (a failover followed).
+        switched: AtomicU64,
         calls: AtomicU32,
     }
 
@@ -330,6 +365,10 @@ mod tests {
 
         async fn ready(&self) -> bool {
             !self.down.load(Ordering::SeqCst)
+        }
+
+        fn switches(&self) -> u64 {
+            self.switched.load(Ordering::SeqCst)
         }
     }
 
@@ -387,6 +426,27 @@ mod tests {
         );
         assert!(call().await.is_ok());
         assert_eq!(switch.calls.load(Ordering::SeqCst), 6);
+    }
+
+    /// A switch to a new server closes an open circuit at once, long before its backoff
+    /// ends; and a call sent before a switch that fails after it does not count.
+    #[tokio::test]
+    async fn a_switch_closes_the_circuit_at_once_and_older_failures_do_not_count() {
+        let (switch, breaker) = breaker(1);
+        let call = || breaker.evaluate(&[], Charging::Atomic);
+        switch.down.store(true, Ordering::SeqCst);
+        assert_eq!(call().await, Err(down()));
+        assert_eq!(call().await, Err(BackendError::CircuitOpen));
+        switch.down.store(false, Ordering::SeqCst);
+        switch.switched.fetch_add(1, Ordering::SeqCst);
+        assert!(call().await.is_ok(), "the switch closed the circuit");
+        assert!(breaker.core.is_closed());
+
+        // A call sent to the old server whose failure comes once the new one is followed.
+        breaker.core.record(Evidence::Fails, false, 1, 2);
+        assert!(breaker.core.is_closed(), "a failure from before the switch");
+        breaker.core.record(Evidence::Fails, false, 2, 2);
+        assert!(!breaker.core.is_closed(), "a failure after it");
     }
 
     /// How long the circuit stays open after each failed probe: 50, 100, 200 ms, then the

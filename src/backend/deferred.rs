@@ -64,4 +64,8 @@ impl<B: Backend> Backend for Deferred<B> {
             None => false,
         }
     }
+
+    fn switches(&self) -> u64 {
+        self.inner.get().map_or(0, Backend::switches)
+    }
 }

@@ -139,6 +139,10 @@ impl<B: Backend> Backend for Leased<B> {
     async fn ready(&self) -> bool {
         self.inner.ready().await
     }
+
+    fn switches(&self) -> u64 {
+        self.inner.switches()
+    }
 }
 
 #[cfg(test)]

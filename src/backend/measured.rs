@@ -36,4 +36,8 @@ impl<B: Backend> Backend for Measured<B> {
     async fn ready(&self) -> bool {
         self.inner.ready().await
     }
+
+    fn switches(&self) -> u64 {
+        self.inner.switches()
+    }
 }

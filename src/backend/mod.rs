@@ -30,4 +30,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether the backend answers now (for health checks).
     fn ready(&self) -> impl Future<Output = bool> + Send;
+
+    /// How many times the backend has switched to a new server that answers (a failover
+    /// followed, a slot's new owner found). A change is evidence that the backend works
+    /// again, newer than the failures before it.
+    fn switches(&self) -> u64 {
+        0
+    }
 }

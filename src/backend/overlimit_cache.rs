@@ -183,6 +183,10 @@ impl<B: Backend> Backend for OverLimitCache<B> {
     async fn ready(&self) -> bool {
         self.inner.ready().await
     }
+
+    fn switches(&self) -> u64 {
+        self.inner.switches()
+    }
 }
 
 #[cfg(test)]

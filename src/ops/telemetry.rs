@@ -31,9 +31,19 @@ impl Drop for Telemetry {
     }
 }
 
+/// The Redis client's own warnings, unless LOG_LEVEL names its target: it warns once per
+/// failed connection attempt (dozens a second while a Cluster master is down), where the
+/// backend logs one line per event (a master switched, slots moved).
+const REDIS_CLIENT: &str = "redis=error";
+
 pub fn init(level: &str, format: LogFormat) -> Telemetry {
     use std::io::IsTerminal;
     let filter = EnvFilter::try_new(level).unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = if level.contains("redis") || level.trim().eq_ignore_ascii_case("off") {
+        filter
+    } else {
+        filter.add_directive(REDIS_CLIENT.parse().expect("a valid directive"))
+    };
     let logs = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());

@@ -1,11 +1,16 @@
-//! Real `redis-server` processes for tests: a standalone server (optionally a replica), a
-//! Sentinel, and a Cluster of masters. Each listens on a free 127.0.0.1 port with its files in
-//! a temporary directory, never persists anything, and is killed by PID when dropped. Every
-//! wait is bounded, and a server that does not come up fails the test with its log.
+//! Real `redis-server` (or `valkey-server`) processes for tests: a standalone server
+//! (optionally a replica), Sentinels, and a Cluster of masters. Each listens on a free
+//! 127.0.0.1 port with its files in a temporary directory, never persists anything, and is
+//! killed by PID when dropped. Every wait is bounded, and a server that does not come up fails
+//! the test with its log.
+//!
+//! Which server runs is an [`Engine`]: Redis from the PATH, or Valkey from `VALKEY_BIN` (the
+//! directory holding `valkey-server` and `valkey-cli`, which scripts/test.sh installs), so
+//! that a test can run the same rows on both.
 
 use std::fs;
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::sleep;
@@ -24,15 +29,105 @@ const POLL: Duration = Duration::from_millis(10);
 /// this (kept free alongside the port and the Cluster bus port +10000).
 const TLS_PORT_OFFSET: u16 = 20_000;
 
+/// Which server implementation a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// `redis-server` and `redis-cli` on the PATH.
+    Redis,
+    /// `valkey-server` and `valkey-cli` in the directory `VALKEY_BIN` names.
+    Valkey,
+}
+
+/// Every engine, for tests that run their rows on each.
+pub const ENGINES: [Engine; 2] = [Engine::Redis, Engine::Valkey];
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Redis => "redis",
+            Engine::Valkey => "valkey",
+        }
+    }
+
+    /// The engines installed here. Under `CI=true` a missing one fails the test; elsewhere it is
+    /// skipped with a note.
+    pub fn available() -> Vec<Engine> {
+        ENGINES
+            .into_iter()
+            .filter(|engine| {
+                let found = engine.program("server").is_file() || *engine == Engine::Redis;
+                if !found {
+                    assert!(
+                        std::env::var("CI").as_deref() != Ok("true"),
+                        "{} is not installed (VALKEY_BIN: {:?}); scripts/test.sh installs it",
+                        engine.name(),
+                        std::env::var_os("VALKEY_BIN")
+                    );
+                    eprintln!("{} is not installed: its rows are skipped", engine.name());
+                }
+                found
+            })
+            .collect()
+    }
+
+    /// `<engine>-server` or `<engine>-cli`.
+    fn program(self, which: &str) -> PathBuf {
+        match self {
+            Engine::Redis => PathBuf::from(format!("redis-{which}")),
+            Engine::Valkey => {
+                let dir = std::env::var_os("VALKEY_BIN").unwrap_or_default();
+                Path::new(&dir).join(format!("valkey-{which}"))
+            }
+        }
+    }
+
+    pub fn cli(self) -> Command {
+        Command::new(self.program("cli"))
+    }
+
+    /// A standalone server.
+    pub fn start(self) -> RedisServer {
+        RedisServer::launch(self, Kind::Standalone, "")
+    }
+
+    /// A replica of `master`.
+    pub fn start_replica(self, master: &RedisServer) -> RedisServer {
+        RedisServer::launch(
+            self,
+            Kind::Standalone,
+            &format!("replicaof 127.0.0.1 {}\n", master.port),
+        )
+    }
+
+    /// A Sentinel monitoring `master` under `name`, with a quorum of `quorum` and short
+    /// timeouts, so a failover starts a second after the master stops answering.
+    pub fn start_sentinel(self, master: &RedisServer, name: &str, quorum: usize) -> RedisServer {
+        RedisServer::launch(
+            self,
+            Kind::Sentinel {
+                master_port: master.port,
+                name: name.into(),
+                quorum,
+            },
+            "",
+        )
+    }
+}
+
 /// What kind of process to start.
 #[derive(Clone)]
 enum Kind {
     Standalone,
     ClusterNode,
-    Sentinel { master_port: u16, name: String },
+    Sentinel {
+        master_port: u16,
+        name: String,
+        quorum: usize,
+    },
 }
 
 pub struct RedisServer {
+    engine: Engine,
     child: Option<Child>,
     port: u16,
     kind: Kind,
@@ -47,12 +142,12 @@ pub struct RedisServer {
 impl RedisServer {
     /// A standalone server.
     pub fn start() -> RedisServer {
-        RedisServer::launch(Kind::Standalone, "")
+        Engine::Redis.start()
     }
 
     /// A standalone server with extra `redis.conf` lines.
     pub fn start_with(config: &str) -> RedisServer {
-        RedisServer::launch(Kind::Standalone, config)
+        RedisServer::launch(Engine::Redis, Kind::Standalone, config)
     }
 
     /// A standalone server that writes every change to its append-only file before answering
@@ -68,36 +163,28 @@ impl RedisServer {
             "appendonly yes\nappendfsync always\ndir {}\n",
             data.path().display()
         );
-        let mut server = RedisServer::launch(Kind::Standalone, &config);
+        let mut server = RedisServer::launch(Engine::Redis, Kind::Standalone, &config);
         server.data = Some(data);
         server
     }
 
     /// A replica of `master`.
     pub fn start_replica(master: &RedisServer) -> RedisServer {
-        RedisServer::launch(
-            Kind::Standalone,
-            &format!("replicaof 127.0.0.1 {}\n", master.port),
-        )
+        Engine::Redis.start_replica(master)
     }
 
-    /// A Sentinel monitoring `master` under `name`, with a quorum of one and short timeouts,
-    /// so it can fail over alone and quickly.
+    /// A Sentinel monitoring `master` under `name`, with a quorum of one, so it can fail over
+    /// alone and quickly.
     pub fn start_sentinel(master: &RedisServer, name: &str) -> RedisServer {
-        RedisServer::launch(
-            Kind::Sentinel {
-                master_port: master.port,
-                name: name.into(),
-            },
-            "",
-        )
+        Engine::Redis.start_sentinel(master, name, 1)
     }
 
-    fn launch(kind: Kind, extra: &str) -> RedisServer {
+    fn launch(engine: Engine, kind: Kind, extra: &str) -> RedisServer {
         let mut last_log = String::new();
         // A free port can be taken by someone else before the server binds it: try again.
         for _ in 0..5 {
             let mut server = RedisServer {
+                engine,
                 child: None,
                 port: free_port(),
                 kind: kind.clone(),
@@ -110,7 +197,10 @@ impl RedisServer {
             }
             last_log = server.log();
         }
-        panic!("redis-server did not start; its last log:\n{last_log}");
+        panic!(
+            "{}-server did not start; its last log:\n{last_log}",
+            engine.name()
+        );
     }
 
     /// Start the process and wait until it answers; false if it died or stayed silent.
@@ -135,8 +225,12 @@ impl RedisServer {
                 dir.join("nodes.conf").display(),
                 self.port + 10_000
             )),
-            Kind::Sentinel { master_port, name } => config.push_str(&format!(
-                "sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
+            Kind::Sentinel {
+                master_port,
+                name,
+                quorum,
+            } => config.push_str(&format!(
+                "sentinel monitor {name} 127.0.0.1 {master_port} {quorum}\n\
                  sentinel down-after-milliseconds {name} 1000\n\
                  sentinel failover-timeout {name} 5000\n"
             )),
@@ -148,7 +242,7 @@ impl RedisServer {
         );
         let path = dir.join("redis.conf");
         fs::write(&path, config).expect("write redis.conf");
-        let mut command = Command::new("redis-server");
+        let mut command = Command::new(self.engine.program("server"));
         command.arg(&path);
         if matches!(self.kind, Kind::Sentinel { .. }) {
             command.arg("--sentinel");
@@ -158,7 +252,7 @@ impl RedisServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("redis-server must be installed");
+            .unwrap_or_else(|err| panic!("{}-server must be installed: {err}", self.engine.name()));
         self.child = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         while Instant::now() < deadline {
@@ -187,6 +281,10 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    pub fn engine(&self) -> Engine {
+        self.engine
     }
 
     /// The TLS port, if the configuration opened one with `tls-port {tls-port}`.
@@ -425,11 +523,16 @@ impl RedisCluster {
     /// lines `config` (e.g. a short `cluster-node-timeout`, so a replica takes over quickly).
     /// Returns once every node sees the whole Cluster healthy and every replica is in sync.
     pub fn start_with(masters: usize, replicas: usize, config: &str) -> RedisCluster {
+        RedisCluster::start_on(Engine::Redis, masters, replicas, config)
+    }
+
+    /// As `start_with`, on `engine`.
+    pub fn start_on(engine: Engine, masters: usize, replicas: usize, config: &str) -> RedisCluster {
         let total = masters * (1 + replicas);
         let nodes: Vec<RedisServer> = (0..total)
-            .map(|_| RedisServer::launch(Kind::ClusterNode, config))
+            .map(|_| RedisServer::launch(engine, Kind::ClusterNode, config))
             .collect();
-        let mut create = Command::new("redis-cli");
+        let mut create = engine.cli();
         create.arg("--cluster").arg("create");
         create.args(nodes.iter().map(RedisServer::addr));
         if replicas > 0 {
@@ -443,7 +546,7 @@ impl RedisCluster {
             .stdout(out.try_clone().expect("dup"))
             .stderr(out)
             .spawn()
-            .expect("redis-cli must be installed");
+            .unwrap_or_else(|err| panic!("{}-cli must be installed: {err}", engine.name()));
         let deadline = Instant::now() + CLUSTER_TIMEOUT;
         let status = loop {
             if let Some(status) = child.try_wait().expect("wait for redis-cli") {
@@ -553,4 +656,117 @@ impl RedisCluster {
 
 fn read(path: &PathBuf) -> String {
     fs::read_to_string(path).unwrap_or_default()
+}
+
+/// A master with one replica, watched by three Sentinels (quorum two) that fail it over a
+/// second after it stops answering.
+pub struct SentinelGroup {
+    pub name: String,
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<RedisServer>,
+}
+
+impl SentinelGroup {
+    /// Returns once the replica is in sync and every Sentinel knows it and the other
+    /// Sentinels (so that a failover can start at once).
+    pub fn start(engine: Engine, name: &str) -> SentinelGroup {
+        let master = engine.start();
+        let replica = engine.start_replica(&master);
+        replica.wait_until(START_TIMEOUT, "replica in sync", |r| {
+            r.info("replication", "master_link_status").as_deref() == Some("up")
+        });
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| engine.start_sentinel(&master, name, 2))
+            .collect();
+        for sentinel in &sentinels {
+            sentinel.wait_until(CLUSTER_TIMEOUT, "sentinel knows its peers", |s| {
+                let known = |what: &str| {
+                    s.try_query::<Vec<redis::Value>>(&["SENTINEL", what, name])
+                        .map_or(0, |v| v.len())
+                };
+                known("REPLICAS") == 1 && known("SENTINELS") == 2
+            });
+        }
+        SentinelGroup {
+            name: name.into(),
+            master,
+            replica,
+            sentinels,
+        }
+    }
+
+    /// turnstile's `--redis-url` for this group: the master's name, then the Sentinels.
+    pub fn redis_url(&self) -> String {
+        let mut parts = vec![self.name.clone()];
+        parts.extend(self.sentinels.iter().map(RedisServer::addr));
+        parts.join(",")
+    }
+}
+
+/// When a Sentinel announced `+switch-master`, heard on a subscription of its own (a thread
+/// that ends when this is dropped).
+pub struct Announcements {
+    heard: Arc<Mutex<Option<Instant>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Announcements {
+    /// Subscribe now (returns once subscribed).
+    pub fn listen(sentinel: &RedisServer) -> Announcements {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let heard = Arc::new(Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut connection = sentinel.connection().expect("connect to the sentinel");
+        connection
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .expect("read timeout");
+        let (subscribed_tx, subscribed) = std::sync::mpsc::channel();
+        let thread = {
+            let (heard, stop) = (heard.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut pubsub = connection.as_pubsub();
+                pubsub.subscribe("+switch-master").expect("subscribe");
+                let _ = subscribed_tx.send(());
+                while !stop.load(Ordering::Relaxed) {
+                    if pubsub.get_message().is_ok() {
+                        let at = Instant::now();
+                        heard.lock().unwrap().get_or_insert(at);
+                    }
+                }
+            })
+        };
+        subscribed
+            .recv_timeout(START_TIMEOUT)
+            .expect("subscribed to +switch-master");
+        Announcements {
+            heard,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// When the first `+switch-master` was heard, waiting for it at most `timeout`.
+    pub fn first(&self, timeout: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(at) = *self.heard.lock().unwrap() {
+                return Some(at);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            sleep(POLL);
+        }
+    }
+}
+
+impl Drop for Announcements {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }

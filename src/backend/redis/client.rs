@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{
-    AsyncConnectionConfig, Client, ClientTlsConfig, ConnectionInfo, IntoConnectionInfo, RedisError,
-    RedisResult, TlsCertificates,
+    AsyncConnectionConfig, Client, ClientTlsConfig, ConnectionAddr, ConnectionInfo,
+    IntoConnectionInfo, RedisError, RedisResult, TlsCertificates,
 };
 
 use super::{RedisConfig, RedisTls};
@@ -92,6 +92,26 @@ pub(super) fn client(info: ConnectionInfo, tls: &RedisTls) -> RedisResult<Client
         Some(certs) => Client::build_with_tls(info, certs),
         None => Client::open(info),
     }
+}
+
+/// A client for the server at `host:port` that a Sentinel or a Cluster node named, reached as
+/// `template` (credentials, database, TLS) is.
+pub(super) fn named(
+    template: &ConnectionInfo,
+    host: &str,
+    port: u16,
+    tls: &RedisTls,
+) -> RedisResult<Client> {
+    let addr = match template.addr() {
+        ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
+            host: host.into(),
+            port,
+            insecure: *insecure,
+            tls_params: None,
+        },
+        _ => ConnectionAddr::Tcp(host.into(), port),
+    };
+    client(template.clone().set_addr(addr), tls)
 }
 
 /// A URL with the defaults the reference's variables set: TLS for bare addresses, and

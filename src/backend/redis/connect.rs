@@ -12,18 +12,24 @@ use ::redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use ::redis::{Cmd, ConnectionInfo, FromRedisValue, RedisError, RedisResult, Value};
 
 use super::client::{RoundRobin, certificates, client, managers, resolve, unavailable};
-use super::sentinel::SentinelPool;
-use super::{RedisConfig, RedisMode};
+use super::sentinel::{SentinelPool, SentinelWatch};
+use super::slot_watch::SlotWatch;
+use super::{Learned, RedisConfig, RedisMode};
 use crate::decision::BackendError;
 
 pub(super) enum Pool {
     Single(RoundRobin<ConnectionManager>),
-    Sentinel(Arc<SentinelPool>),
-    Cluster(RoundRobin<ClusterConnection>),
+    Sentinel(Box<SentinelPool>),
+    /// The connections, and the backend's watch on the slot map (None when no seed
+    /// answered it at first).
+    Cluster(RoundRobin<ClusterConnection>, Option<Arc<SlotWatch>>),
 }
 
 impl Pool {
-    pub(super) async fn connect(config: &RedisConfig) -> Result<Pool, BackendError> {
+    pub(super) async fn connect(
+        config: &RedisConfig,
+        learned: &Learned,
+    ) -> Result<Pool, BackendError> {
         let infos = config
             .urls
             .iter()
@@ -44,15 +50,23 @@ impl Pool {
                     ))),
                 },
                 RedisMode::Sentinel { master } => {
-                    SentinelPool::connect(infos, master, connections, config)
+                    // One watch per backend, started by its first pool.
+                    let switches = &learned.switches;
+                    let watch = learned
+                        .sentinel
+                        .get_or_try_init(|| {
+                            SentinelWatch::start(infos, master, config, Arc::clone(switches))
+                        })
+                        .await?;
+                    SentinelPool::connect(Arc::clone(watch), connections, config)
                         .await
-                        .map(Pool::Sentinel)
+                        .map(|pool| Pool::Sentinel(Box::new(pool)))
                 }
                 RedisMode::Cluster => {
                     if infos.is_empty() {
                         return Err(BackendError::Unavailable("no Redis Cluster URL".into()));
                     }
-                    let mut builder = ClusterClientBuilder::new(infos);
+                    let mut builder = ClusterClientBuilder::new(infos.clone());
                     if let Some(certs) = certificates(&config.tls) {
                         builder = builder.certs(certs);
                     }
@@ -69,7 +83,14 @@ impl Pool {
                     for _ in 0..connections {
                         all.push(client.get_async_connection().await.map_err(unavailable)?);
                     }
-                    Ok(Pool::Cluster(RoundRobin::new(all)))
+                    // One watch per backend, started by its first pool.
+                    let watch = learned
+                        .slots
+                        .get_or_init(|| {
+                            SlotWatch::start(&infos, config, Arc::clone(&learned.switches))
+                        })
+                        .await;
+                    Ok(Pool::Cluster(RoundRobin::new(all), watch.clone()))
                 }
             }
         })
@@ -83,7 +104,7 @@ impl Pool {
     }
 
     pub(super) fn is_cluster(&self) -> bool {
-        matches!(self, Pool::Cluster(_))
+        matches!(self, Pool::Cluster(..))
     }
 
     /// Send one command on the next connection.
@@ -91,14 +112,14 @@ impl Pool {
         match self {
             Pool::Single(pool) => cmd.query_async(&mut pool.pick()).await,
             Pool::Sentinel(pool) => cmd.query_async(&mut pool.pick()).await,
-            Pool::Cluster(pool) => cmd.query_async(&mut pool.pick()).await,
+            Pool::Cluster(pool, _) => cmd.query_async(&mut pool.pick()).await,
         }
     }
 
     /// Send `cmd` to every master: each one's reply (or the error in its place) by its
     /// address, which is empty outside a Cluster (one master).
     pub(super) async fn every_master(&self, cmd: Cmd) -> RedisResult<Vec<(String, Value)>> {
-        let Pool::Cluster(pool) = self else {
+        let Pool::Cluster(pool, _) = self else {
             return Ok(vec![(String::new(), self.query(&cmd).await?)]);
         };
         let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
@@ -115,17 +136,30 @@ impl Pool {
         }
     }
 
-    /// A command failed: under Sentinel, the master may have moved.
+    /// A command failed: the master may have moved (Sentinel), or a master be down or its
+    /// slots moved (Cluster).
     pub(super) fn trouble(&self, err: &RedisError) {
-        if let Pool::Sentinel(pool) = self {
-            pool.trouble(err);
+        match self {
+            Pool::Single(_) => {}
+            Pool::Sentinel(pool) => pool.trouble(err),
+            Pool::Cluster(_, watch) => {
+                if let Some(watch) = watch {
+                    watch.trouble();
+                }
+            }
         }
     }
 
-    /// A command did not answer in time: under Sentinel, the master may be gone.
+    /// A command did not answer in time: the master may be gone.
     pub(super) fn timed_out(&self) {
-        if let Pool::Sentinel(pool) = self {
-            pool.reresolve();
+        match self {
+            Pool::Single(_) => {}
+            Pool::Sentinel(pool) => pool.timed_out(),
+            Pool::Cluster(_, watch) => {
+                if let Some(watch) = watch {
+                    watch.trouble();
+                }
+            }
         }
     }
 }

@@ -99,6 +99,11 @@ impl Homes {
         }))
     }
 
+    /// What every runtime's calls learned of the servers.
+    pub(super) fn learned(&self) -> &Learned {
+        &self.learned
+    }
+
     /// The I/O thread's connections.
     pub(super) fn io(&self) -> &Arc<Shared> {
         &self.io

@@ -21,10 +21,12 @@ mod mailbox;
 mod script;
 mod sentinel;
 mod slice;
+mod slot_watch;
 mod twins;
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ::redis::cluster_routing::Slot;
@@ -170,11 +172,18 @@ struct Shared {
 }
 
 /// What one runtime's calls learn of the servers, which every runtime's calls share: how the
-/// batch script runs there, and Redis' clock.
+/// batch script runs there, Redis' clock, and where the master is.
 #[derive(Clone, Default)]
 struct Learned {
     runner: Arc<script::Runner>,
     clock: Arc<Clock>,
+    /// How many times the backend switched to a new server that answers (a failover
+    /// followed): see [`RedisBackend::switches`].
+    switches: Arc<AtomicU64>,
+    /// Under Sentinel, the watch on the master, started by the first pool.
+    sentinel: Arc<tokio::sync::OnceCell<Arc<sentinel::SentinelWatch>>>,
+    /// On a Cluster, the watch on the slot map, started by the first pool.
+    slots: Arc<tokio::sync::OnceCell<Option<Arc<slot_watch::SlotWatch>>>>,
 }
 
 impl RedisBackend {
@@ -197,7 +206,7 @@ impl RedisBackend {
 impl Shared {
     /// Connect on the runtime this runs on, which becomes the home of what it opens.
     async fn open(config: &RedisConfig, learned: Learned) -> Result<Shared, BackendError> {
-        let pool = Pool::connect(config).await?;
+        let pool = Pool::connect(config, &learned).await?;
         Ok(Shared {
             home: Handle::current(),
             pool,
@@ -397,5 +406,9 @@ impl Backend for RedisBackend {
             shared.bounded(shared.call_timeout, reply).await
         });
         ping.await.is_ok()
+    }
+
+    fn switches(&self) -> u64 {
+        self.homes.learned().switches.load(Ordering::Acquire)
     }
 }
