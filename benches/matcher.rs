@@ -129,7 +129,7 @@ fn decision(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) % users.len();
             let answer = runtime
-                .block_on(limiter.check(&users[i], None))
+                .block_on(limiter.check(&users[i], None, &http::HeaderMap::new()))
                 .expect("answer");
             black_box(answer.overall_code)
         })

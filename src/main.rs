@@ -55,9 +55,16 @@ fn main() -> ExitCode {
                 }
             };
             // The trace exporter needs the runtime; it is flushed when dropped, at exit.
-            let _telemetry = {
+            let telemetry = {
                 let _entered = runtime.enter();
-                telemetry::init(&args.log_level, args.log_format)
+                telemetry::init(&args.log_level, args.log_format, &args.tracing)
+            };
+            let _telemetry = match telemetry {
+                Ok(telemetry) => telemetry,
+                Err(error) => {
+                    eprintln!("turnstile: {error:#}");
+                    return ExitCode::FAILURE;
+                }
             };
             match runtime.block_on(run::serve(*args)) {
                 Ok(()) => ExitCode::SUCCESS,

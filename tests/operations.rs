@@ -723,3 +723,455 @@ async fn a_live_prometheus_shows_every_panel_and_alerts_while_redis_is_down() {
         queries.len()
     );
 }
+
+
+mod traces {
+    //! What an operator sees of a running turnstile. Traces: the real binary, tracing on by its
+    //! settings (the reference's TRACING_* variables and the standard OTEL_* ones), exporting to
+    //! an OTLP receiver run by the test (`support::otlp`), over gRPC and over HTTP. Each
+    //! decision is one span with the domain and the outcome; the sampling ratio holds; a
+    //! caller's `traceparent` is continued; tracing off (or set off) sends nothing; settings
+    //! that cannot work stop the start with a clear error.
+    //!
+    //! Every instance is stopped with SIGTERM before its spans are counted: shutting down
+    //! flushes the exporter's queue, so after the exit nothing more can arrive.
+
+    use crate::support;
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::otlp::{Receiver, Span};
+    use support::turnstile::{INHERITED_ENV, Rules, Turnstile, descriptor, request};
+    use tokio::task::JoinSet;
+
+    const RULES: &str = r#"
+domain: traced
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: free
+    rate_limit: {unit: hour, requests_per_unit: 1000000}
+"#;
+
+    /// How long spans may take to arrive once their instance has exited.
+    const ARRIVAL: Duration = Duration::from_secs(10);
+
+    /// Export often, so the spans of a test leave while it runs and not only at shutdown.
+    const QUICK_EXPORT: (&str, &str) = ("OTEL_BSP_SCHEDULE_DELAY", "100");
+
+    /// Variables (or resource attributes), as name and value.
+    type Env<'a> = &'a [(&'a str, &'a str)];
+
+    fn user(name: &str) -> RateLimitRequest {
+        request("traced", vec![descriptor(&[("user", name)])])
+    }
+
+    fn free() -> RateLimitRequest {
+        request("traced", vec![descriptor(&[("free", "x")])])
+    }
+
+    async fn start(rules: &Rules, env: &[(&str, &str)]) -> Turnstile {
+        let config = rules.path().to_str().unwrap();
+        Turnstile::start_with(&["--config", config], env).await
+    }
+
+    /// One call with these gRPC metadata.
+    async fn call_with(
+        t: &Turnstile,
+        request: RateLimitRequest,
+        metadata: &[(&'static str, &str)],
+    ) -> Code {
+        let mut call = tonic::Request::new(request);
+        for (name, value) in metadata {
+            call.metadata_mut().insert(*name, value.parse().unwrap());
+        }
+        let response = t.client().await.should_rate_limit(call).await.unwrap();
+        Code::try_from(response.into_inner().overall_code).unwrap()
+    }
+
+    /// `calls` calls of `request`, over one connection, several in flight.
+    async fn calls(t: &Turnstile, calls: usize, request: RateLimitRequest) {
+        const IN_FLIGHT: usize = 8;
+        let client = t.client().await;
+        let mut tasks = JoinSet::new();
+        for worker in 0..IN_FLIGHT {
+            let (mut client, request) = (client.clone(), request.clone());
+            let share = calls / IN_FLIGHT + usize::from(worker < calls % IN_FLIGHT);
+            tasks.spawn(async move {
+                for _ in 0..share {
+                    client.should_rate_limit(request.clone()).await.unwrap();
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    }
+
+    async fn stop(mut t: Turnstile) {
+        let status = t.terminate().await;
+        assert!(status.success(), "turnstile exited {status}");
+    }
+
+    fn attribute<'a>(span: &'a Span, key: &str) -> &'a str {
+        span.attributes
+            .get(key)
+            .unwrap_or_else(|| panic!("no {key} in {span:?}"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_decision_is_a_span_with_its_domain_and_outcome() {
+        let receiver = Receiver::start().await;
+        let grpc = format!("http://{}", receiver.grpc);
+        let http = format!("http://{}", receiver.http);
+        // Rows: the settings, the port the spans must come in on, the resource they must carry.
+        let rows: [(Env, &str, Env); 4] = [
+            // Envoy Gateway's settings: TRACING_* and the endpoint; the reference's default
+            // protocol is OTLP/HTTP.
+            (
+                &[
+                    ("TRACING_ENABLED", "true"),
+                    ("TRACING_SERVICE_NAME", "envoy-ratelimit"),
+                    ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system"),
+                    ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-7d4f"),
+                    ("TRACING_SAMPLING_RATE", "1.0"),
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", &http),
+                ],
+                "http",
+                &[
+                    ("service.name", "envoy-ratelimit"),
+                    ("service.namespace", "envoy-gateway-system"),
+                    ("service.instance.id", "envoy-ratelimit-7d4f"),
+                ],
+            ),
+            // The reference's gRPC exporter, and its default service name.
+            (
+                &[
+                    ("TRACING_ENABLED", "true"),
+                    ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", &grpc),
+                ],
+                "grpc",
+                &[("service.name", "RateLimit")],
+            ),
+            // The standard variables alone: an endpoint turns tracing on.
+            (
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", &grpc),
+                    ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                    ("OTEL_SERVICE_NAME", "limiter"),
+                ],
+                "grpc",
+                &[("service.name", "limiter")],
+            ),
+            (
+                &[
+                    (
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                        &format!("{http}/v1/traces"),
+                    ),
+                    (
+                        "OTEL_RESOURCE_ATTRIBUTES",
+                        "service.name=edge-limiter,service.instance.id=i-1",
+                    ),
+                ],
+                "http",
+                &[
+                    ("service.name", "edge-limiter"),
+                    ("service.instance.id", "i-1"),
+                ],
+            ),
+        ];
+        for (row, (env, protocol, resource)) in rows.into_iter().enumerate() {
+            let rules = Rules::new(RULES);
+            let mut env = env.to_vec();
+            env.push(QUICK_EXPORT);
+            let t = start(&rules, &env).await;
+            let before = receiver.spans().len();
+            let name = format!("row{row}");
+            assert_eq!(call_with(&t, user(&name), &[]).await, Code::Ok);
+            assert_eq!(call_with(&t, user(&name), &[]).await, Code::OverLimit);
+            let unknown = request("nowhere", vec![descriptor(&[("user", "a")])]);
+            assert_eq!(call_with(&t, unknown, &[]).await, Code::Ok);
+            let invalid = request("", vec![descriptor(&[("user", "a")])]);
+            let error = t
+                .client()
+                .await
+                .should_rate_limit(invalid)
+                .await
+                .unwrap_err();
+            assert_eq!(error.code(), tonic::Code::InvalidArgument);
+            stop(t).await;
+
+            let spans = receiver.wait_for_spans(before + 4, ARRIVAL).await;
+            let spans = &spans[before..];
+            assert_eq!(spans.len(), 4, "row {row}: {spans:#?}");
+            let mut outcomes: Vec<(&str, &str)> = spans
+                .iter()
+                .map(|span| (attribute(span, "domain"), attribute(span, "outcome")))
+                .collect();
+            outcomes.sort();
+            assert_eq!(
+                outcomes,
+                [
+                    ("", "InvalidArgument"),
+                    ("nowhere", "OK"),
+                    ("traced", "OK"),
+                    ("traced", "OVER_LIMIT"),
+                ],
+                "row {row}"
+            );
+            for span in spans {
+                assert_eq!(span.name, "ShouldRateLimit", "row {row}");
+                assert_eq!(span.protocol, protocol, "row {row}");
+                assert_eq!(span.parent_span_id, "", "row {row}: a root span");
+                for (key, value) in resource {
+                    assert_eq!(
+                        span.resource.get(*key).map(String::as_str),
+                        Some(*value),
+                        "row {row}: {key}"
+                    );
+                }
+                if attribute(span, "domain") == "traced" {
+                    // The backend's time, in microseconds: the memory backend decided.
+                    attribute(span, "backend_time_us").parse::<u64>().unwrap();
+                } else {
+                    // No limit matched (or the request was refused): no backend call.
+                    assert!(
+                        !span.attributes.contains_key("backend_time_us"),
+                        "row {row}: {span:?}"
+                    );
+                }
+                // An error is the span's status; a refusal is an answer, not an error.
+                let error = attribute(span, "outcome") == "InvalidArgument";
+                assert_eq!(span.error, error, "row {row}: {span:?}");
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_sampling_ratio_holds() {
+        const CALLS: usize = 4_000;
+        const RATIO: f64 = 0.25;
+        let receiver = Receiver::start().await;
+        let rules = Rules::new(RULES);
+        let endpoint = format!("http://{}", receiver.grpc);
+        let t = start(
+            &rules,
+            &[
+                ("TRACING_ENABLED", "true"),
+                ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+                ("TRACING_SAMPLING_RATE", "0.25"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                // Room for every sampled span: a drop would read as a low ratio.
+                ("OTEL_BSP_MAX_QUEUE_SIZE", "8192"),
+                QUICK_EXPORT,
+            ],
+        )
+        .await;
+        calls(&t, CALLS, free()).await;
+        stop(t).await;
+
+        // Binomial: each trace id is sampled with probability RATIO, independently. Five
+        // standard deviations either way: a correct sampler fails this about once in 1.7 million.
+        let mean = CALLS as f64 * RATIO;
+        let sigma = (CALLS as f64 * RATIO * (1.0 - RATIO)).sqrt();
+        let (low, high) = ((mean - 5.0 * sigma) as usize, (mean + 5.0 * sigma) as usize);
+        let spans = receiver.wait_for_spans(low, ARRIVAL).await;
+        println!(
+            "{} of {CALLS} calls traced at ratio {RATIO} (expected {low} to {high})",
+            spans.len()
+        );
+        assert!(
+            (low..=high).contains(&spans.len()),
+            "{} of {CALLS} calls traced at ratio {RATIO}: expected {low} to {high}",
+            spans.len()
+        );
+        let mut traces: Vec<&str> = spans.iter().map(|s| s.trace_id.as_str()).collect();
+        traces.sort_unstable();
+        traces.dedup();
+        assert_eq!(
+            traces.len(),
+            spans.len(),
+            "each decision is a trace of its own"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_callers_trace_context_is_continued() {
+        const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+        const PARENT: &str = "00f067aa0ba902b7";
+        let receiver = Receiver::start().await;
+        let rules = Rules::new(RULES);
+        let endpoint = format!("http://{}", receiver.grpc);
+        // A ratio of zero: only a caller's sampled trace is traced (the parent decides).
+        let t = start(
+            &rules,
+            &[
+                ("TRACING_ENABLED", "true"),
+                ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+                ("TRACING_SAMPLING_RATE", "0"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                QUICK_EXPORT,
+            ],
+        )
+        .await;
+        let sampled = format!("00-{TRACE}-{PARENT}-01");
+        assert_eq!(
+            call_with(&t, free(), &[("traceparent", &sampled)]).await,
+            Code::Ok
+        );
+        // Rows the span must not come from: a caller's trace not sampled, no trace context, and
+        // one that is not a trace context.
+        let unsampled = format!("00-{}-{PARENT}-00", "1".repeat(32));
+        for metadata in [
+            &[("traceparent", unsampled.as_str())][..],
+            &[],
+            &[("traceparent", "00-not-a-trace-01")],
+        ] {
+            assert_eq!(call_with(&t, free(), metadata).await, Code::Ok);
+        }
+        stop(t).await;
+
+        let spans = receiver.wait_for_spans(1, ARRIVAL).await;
+        assert_eq!(spans.len(), 1, "{spans:#?}");
+        assert_eq!(spans[0].trace_id, TRACE);
+        assert_eq!(spans[0].parent_span_id, PARENT);
+        assert_ne!(spans[0].span_id, PARENT);
+        assert_eq!(attribute(&spans[0], "domain"), "traced");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tracing_off_sends_nothing() {
+        let receiver = Receiver::start().await;
+        let endpoint = format!("http://{}", receiver.grpc);
+        // Rows: no tracing setting at all; an endpoint, with tracing set off by the reference's
+        // switch; an endpoint, with the standard switch off.
+        let rows: [Env; 3] = [
+            &[],
+            &[
+                ("TRACING_ENABLED", "false"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ],
+            &[
+                ("OTEL_SDK_DISABLED", "true"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ],
+        ];
+        for (row, env) in rows.into_iter().enumerate() {
+            let rules = Rules::new(RULES);
+            let mut env = env.to_vec();
+            env.extend([QUICK_EXPORT, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")]);
+            let t = start(&rules, &env).await;
+            calls(&t, 200, free()).await;
+            stop(t).await;
+            assert_eq!(receiver.exports(), 0, "row {row}: {:?}", receiver.spans());
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_collector_leaves_calls_answered() {
+        // A port nothing listens on, and an export queue far smaller than the calls: spans
+        // are dropped, calls are not.
+        let closed = support::turnstile::free_port();
+        let endpoint = format!("http://127.0.0.1:{closed}");
+        for protocol in ["grpc", "http"] {
+            let rules = Rules::new(RULES);
+            let t = start(
+                &rules,
+                &[
+                    ("TRACING_ENABLED", "true"),
+                    ("TRACING_EXPORTER_PROTOCOL", protocol),
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                    ("OTEL_BSP_MAX_QUEUE_SIZE", "64"),
+                    QUICK_EXPORT,
+                ],
+            )
+            .await;
+            calls(&t, 2_000, free()).await;
+            assert_eq!(
+                call_with(&t, user("last"), &[]).await,
+                Code::Ok,
+                "{protocol}"
+            );
+            stop(t).await;
+        }
+    }
+
+    #[test]
+    fn settings_that_cannot_work_stop_the_start() {
+        let rules = Rules::new(RULES);
+        // Rows: the environment, and what stderr must say.
+        let rows: [(Env, &str); 5] = [
+            (
+                &[("TRACING_SAMPLING_RATE", "1.5")],
+                "not a ratio from 0 to 1",
+            ),
+            (
+                &[("TRACING_SAMPLING_RATE", "half")],
+                "not a ratio from 0 to 1",
+            ),
+            (
+                &[("TRACING_EXPORTER_PROTOCOL", "thrift")],
+                "invalid value 'thrift'",
+            ),
+            (&[("TRACING_ENABLED", "maybe")], "invalid value 'maybe'"),
+            (
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+                ],
+                "OTLP protocol \"http/json\" is not supported",
+            ),
+        ];
+        for (env, expected) in rows {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+                .args([
+                    "serve",
+                    "--grpc-addr",
+                    "127.0.0.1:0",
+                    "--http-addr",
+                    "127.0.0.1:0",
+                ])
+                .args(["--debug-addr", "127.0.0.1:0", "--config"])
+                .arg(rules.path())
+                .env_clear()
+                .envs(
+                    INHERITED_ENV
+                        .iter()
+                        .filter_map(|k| Some((k, std::env::var_os(k)?))),
+                )
+                .envs(env.iter().copied())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            // Bounded: an instance that started after all is killed, and the row fails.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let status = loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    break status;
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("{env:?}: turnstile started");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let mut stderr = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut stderr)
+                .unwrap();
+            assert!(!status.success(), "{env:?}: {stderr}");
+            assert!(stderr.contains(expected), "{env:?}: {stderr}");
+        }
+    }
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::Source;
-use crate::ops::telemetry::LogFormat;
+use crate::ops::telemetry::{LogFormat, TracingArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -291,6 +291,8 @@ pub struct ServeArgs {
     pub rules: RulesArgs,
     #[command(flatten)]
     pub xds: XdsArgs,
+    #[command(flatten)]
+    pub tracing: TracingArgs,
 
     /// Debug listen host (serves /rlconfig, as the reference's debug port).
     #[arg(long, env = "DEBUG_HOST", default_value = "0.0.0.0")]

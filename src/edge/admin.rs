@@ -16,7 +16,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -138,14 +138,18 @@ async fn healthcheck<B: Backend>(State(admin): State<Arc<Admin<B>>>) -> Response
     }
 }
 
-async fn check_json<B: Backend>(State(admin): State<Arc<Admin<B>>>, body: Bytes) -> Response {
+async fn check_json<B: Backend>(
+    State(admin): State<Arc<Admin<B>>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let request = match json::parse_request(&body) {
         Ok(request) => request,
         Err(error) => {
             return (StatusCode::BAD_REQUEST, format!("Bad Request: {error}")).into_response();
         }
     };
-    match admin.limiter.check(&request, None).await {
+    match admin.limiter.check(&request, None, &headers).await {
         Ok(response) => {
             let status = if response.overall_code == Code::OverLimit as i32 {
                 StatusCode::TOO_MANY_REQUESTS

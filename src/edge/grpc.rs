@@ -265,7 +265,11 @@ impl<B: Backend> Edge<B> {
                     .into_http();
             }
         };
-        match self.limiter.check(&request, Some(deadline)).await {
+        match self
+            .limiter
+            .check(&request, Some(deadline), &parts.headers)
+            .await
+        {
             Ok(response) => ok(frame(&response)),
             Err(status) => status.into_http(),
         }

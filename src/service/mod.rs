@@ -14,11 +14,13 @@ pub mod request;
 pub mod response;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use http::HeaderMap;
 use tonic::Status;
-use tracing::Instrument;
+use tracing::Span;
 
 use crate::backend::Backend;
 use crate::config::active::ActiveRules;
@@ -26,6 +28,7 @@ use crate::decision::FailurePolicy;
 use crate::decision::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Outcome, Role};
 use crate::ops::metrics::{Metrics, RuleHit};
+use crate::ops::telemetry;
 use crate::service::fallback::Fallback;
 use crate::service::plan::{Decision, Plan};
 use crate::service::request::{Bounds, CheckRequest};
@@ -98,11 +101,33 @@ impl<B: Backend> RateLimiter<B> {
     /// bounds the backend call: past it the failure policy answers, while the caller still
     /// listens, and the backend charges nothing for a decision it would take later. Too
     /// little time left to ask the backend at all is answered by the policy at once.
-    #[tracing::instrument(level = "trace", name = "should_rate_limit", skip_all, fields(domain = %request.domain))]
+    /// `headers` are the call's: a trace context in them is the decision span's parent.
     pub async fn check(
         &self,
         request: &RateLimitRequest,
         deadline: Option<Deadline>,
+        headers: &HeaderMap,
+    ) -> Result<RateLimitResponse, Status> {
+        let span = telemetry::decision_span(headers);
+        span.record("domain", request.domain.as_str());
+        let answer = self.decide(request, deadline, &span).await;
+        match &answer {
+            Ok(response) => {
+                span.record("outcome", overall_code_name(response.overall_code));
+            }
+            Err(status) => {
+                span.record("outcome", tracing::field::debug(status.code()));
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        answer
+    }
+
+    async fn decide(
+        &self,
+        request: &RateLimitRequest,
+        deadline: Option<Deadline>,
+        span: &Span,
     ) -> Result<RateLimitResponse, Status> {
         let original = request;
         let request = CheckRequest::parse(request, &self.settings.bounds).map_err(|invalid| {
@@ -127,19 +152,23 @@ impl<B: Backend> RateLimiter<B> {
             let evaluated = if deadline.remaining() < MIN_BUDGET {
                 Err(BackendError::Timeout)
             } else {
-                let span = tracing::trace_span!("backend", hits = plan.hits.len());
-                deadline
-                    .bound(
-                        self.backend
-                            .evaluate(&plan.hits, self.settings.charging)
-                            .instrument(span),
-                    )
+                // Timed only for a span that is exported.
+                let started = (!span.is_disabled()).then(Instant::now);
+                let evaluated = deadline
+                    .bound(self.backend.evaluate(&plan.hits, self.settings.charging))
                     .await
-                    .unwrap_or(Err(BackendError::Timeout))
+                    .unwrap_or(Err(BackendError::Timeout));
+                if let Some(started) = started {
+                    span.record("backend_time_us", started.elapsed().as_micros() as u64);
+                }
+                evaluated
             };
             match evaluated {
                 Ok(outcomes) => outcomes,
-                Err(error) => self.on_backend_error(&plan, request.domain, error)?,
+                Err(error) => {
+                    span.record("backend_error", tracing::field::display(&error));
+                    self.on_backend_error(&plan, request.domain, error)?
+                }
             }
         };
         self.record(&plan, &outcomes);
@@ -191,6 +220,11 @@ impl<B: Backend> RateLimiter<B> {
             }
         }
     }
+}
+
+/// The answer's overall code as the protocol names it, for the decision span.
+fn overall_code_name(code: i32) -> &'static str {
+    Code::try_from(code).map_or("UNKNOWN", |code| code.as_str_name())
 }
 
 /// Below this no backend answers in time (a Redis round trip on the same host takes about

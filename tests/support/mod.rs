@@ -4,6 +4,7 @@
 pub mod clock;
 pub mod envoy;
 pub mod load;
+pub mod otlp;
 pub mod raw;
 pub mod redis;
 pub mod reference;
