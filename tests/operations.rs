@@ -724,14 +724,14 @@ async fn a_live_prometheus_shows_every_panel_and_alerts_while_redis_is_down() {
     );
 }
 
-
 mod traces {
     //! What an operator sees of a running turnstile. Traces: the real binary, tracing on by its
     //! settings (the reference's TRACING_* variables and the standard OTEL_* ones), exporting to
     //! an OTLP receiver run by the test (`support::otlp`), over gRPC and over HTTP. Each
     //! decision is one span with the domain and the outcome; the sampling ratio holds; a
-    //! caller's `traceparent` is continued; tracing off (or set off) sends nothing; settings
-    //! that cannot work stop the start with a clear error.
+    //! caller's `traceparent` is continued, a real Envoy's (1.40, its own OpenTelemetry tracing
+    //! on) included; tracing off (or set off) sends nothing; settings that cannot work stop the
+    //! start with a clear error.
     //!
     //! Every instance is stopped with SIGTERM before its spans are counted: shutting down
     //! flushes the exporter's queue, so after the exit nothing more can arrive.
@@ -743,6 +743,7 @@ mod traces {
 
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use support::envoy::{self, Envoy, Upstream};
     use support::otlp::{Receiver, Span};
     use support::turnstile::{INHERITED_ENV, Rules, Turnstile, descriptor, request};
     use tokio::task::JoinSet;
@@ -1172,6 +1173,116 @@ descriptors:
                 .unwrap();
             assert!(!status.success(), "{env:?}: {stderr}");
             assert!(stderr.contains(expected), "{env:?}: {stderr}");
+        }
+    }
+
+    /// The shipped Envoy example with Envoy's own OpenTelemetry tracing on, exporting to
+    /// `collector` over gRPC: Envoy then sends `traceparent` on its rate-limit call.
+    fn traced_envoy_example(collector: std::net::SocketAddr) -> String {
+        let yaml = envoy::example_text("envoy.yaml");
+        let tracing = r#"                stat_prefix: ingress_http
+                tracing:
+                  provider:
+                    name: envoy.tracers.opentelemetry
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                      grpc_service:
+                        envoy_grpc: {cluster_name: otel}
+                      service_name: envoy
+"#;
+        let cluster = format!(
+            r#"  clusters:
+    - name: otel
+      type: STATIC
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {{}}
+      load_assignment:
+        cluster_name: otel
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {{address: {}, port_value: {}}}
+"#,
+            collector.ip(),
+            collector.port()
+        );
+        for anchor in [
+            "                stat_prefix: ingress_http\n",
+            "  clusters:\n",
+        ] {
+            assert_eq!(yaml.matches(anchor).count(), 1, "`{anchor}` in the example");
+        }
+        yaml.replace("                stat_prefix: ingress_http\n", tracing)
+            .replace("  clusters:\n", &cluster)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn envoys_trace_continues_into_turnstile() {
+        let Some(binary) = support::tools::envoy_or_skip("envoys_trace_continues_into_turnstile")
+        else {
+            return;
+        };
+        let receiver = Receiver::start().await;
+        let rules = Rules::new(
+            "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 100}\n",
+        );
+        let endpoint = format!("http://{}", receiver.grpc);
+        let env = [
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            QUICK_EXPORT,
+        ];
+        let turnstiles = [start(&rules, &env).await, start(&rules, &env).await];
+        let upstream = Upstream::start();
+        let proxy = Envoy::start_yaml(
+            &binary,
+            &traced_envoy_example(receiver.grpc),
+            [turnstiles[0].grpc, turnstiles[1].grpc],
+            upstream.addr,
+        )
+        .await;
+        let reply = proxy.get(std::net::Ipv4Addr::LOCALHOST, "/", &[]).await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+        for t in turnstiles {
+            stop(t).await;
+        }
+
+        // Envoy exports its own spans on a timer of its own: wait for the decision's span and
+        // the Envoy span it names as its parent.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let spans = receiver.spans();
+            let decisions: Vec<&Span> = spans
+                .iter()
+                .filter(|s| s.name == "ShouldRateLimit")
+                .collect();
+            assert!(decisions.len() <= 1, "{decisions:#?}");
+            if let Some(decision) = decisions.first() {
+                assert_ne!(
+                    decision.parent_span_id, "",
+                    "not a child of Envoy's span: {decision:?}"
+                );
+                if let Some(parent) = spans.iter().find(|s| s.span_id == decision.parent_span_id) {
+                    assert_eq!(parent.trace_id, decision.trace_id);
+                    assert_eq!(
+                        parent.resource.get("service.name").map(String::as_str),
+                        Some("envoy")
+                    );
+                    assert_eq!(attribute(decision, "domain"), "edge");
+                    assert_eq!(attribute(decision, "outcome"), "OK");
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no decision span with its Envoy parent: {spans:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

@@ -21,7 +21,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The text of a shipped example, `examples/envoy/<name>`.
-fn example(name: &str) -> String {
+pub fn example_text(name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("examples/envoy")
         .join(name);
@@ -78,7 +78,16 @@ impl Envoy {
         turnstiles: [SocketAddr; 2],
         upstream: SocketAddr,
     ) -> Envoy {
-        let yaml = example(name);
+        Envoy::start_yaml(binary, &example_text(name), turnstiles, upstream).await
+    }
+
+    /// As `start`, with an example's text the test changed (`example_text`).
+    pub async fn start_yaml(
+        binary: &Path,
+        yaml: &str,
+        turnstiles: [SocketAddr; 2],
+        upstream: SocketAddr,
+    ) -> Envoy {
         let mut failures = Vec::new();
         // A free port can be taken by someone else before Envoy binds it: try again.
         for _ in 0..3 {
@@ -90,7 +99,7 @@ impl Envoy {
             };
             let dir = tempfile::tempdir().expect("temp dir");
             let config = dir.path().join("envoy.yaml");
-            std::fs::write(&config, rewrite(&yaml, &at)).expect("write envoy.yaml");
+            std::fs::write(&config, rewrite(yaml, &at)).expect("write envoy.yaml");
             let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
             let child = Command::new(binary)
                 .arg("-c")
