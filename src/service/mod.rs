@@ -152,7 +152,7 @@ impl<B: Backend> RateLimiter<B> {
             let evaluated = if deadline.remaining() < MIN_BUDGET {
                 Err(BackendError::Timeout)
             } else {
-                // Timed only for a span that is exported.
+                // Timed only when something listens to the span.
                 let started = (!span.is_disabled()).then(Instant::now);
                 let evaluated = deadline
                     .bound(self.backend.evaluate(&plan.hits, self.settings.charging))
