@@ -116,13 +116,14 @@ impl Drop for Telemetry {
 /// backend logs one line per event (a master switched, slots moved).
 const REDIS_CLIENT: &str = "redis=error";
 
-/// Logs, and traces when `tracing` turns them on. Called within the runtime the exporter
+/// Logs, and traces when `settings` turn them on. Called within the runtime the exporter
 /// uses. A setting that cannot work (a protocol that is not OTLP's, an endpoint the
 /// exporter refuses) is an error, before anything is served.
-pub fn init(level: &str, format: LogFormat, tracing: &TracingArgs) -> anyhow::Result<Telemetry> {
+pub fn init(level: &str, format: LogFormat, settings: &TracingArgs) -> anyhow::Result<Telemetry> {
     use std::io::IsTerminal;
-    let provider = if enabled(tracing) {
-        Some(provider(tracing)?)
+    let traces = if enabled(settings) {
+        let protocol = protocol(settings)?;
+        Some((provider(settings, protocol)?, protocol))
     } else {
         None
     };
@@ -140,7 +141,7 @@ pub fn init(level: &str, format: LogFormat, tracing: &TracingArgs) -> anyhow::Re
         LogFormat::Json => logs.json().boxed(),
     };
     let mut layers = vec![logs.with_filter(filter).boxed()];
-    if let Some(provider) = &provider {
+    if let Some((provider, _)) = &traces {
         // Only what a span needs: the location, thread and timing attributes the layer
         // adds by default would cost every span and say nothing about a decision.
         let traces = tracing_opentelemetry::layer()
@@ -154,7 +155,17 @@ pub fn init(level: &str, format: LogFormat, tracing: &TracingArgs) -> anyhow::Re
         layers.push(traces.boxed());
     }
     tracing_subscriber::registry().with(layers).init();
-    Ok(Telemetry { provider })
+    if let Some((_, protocol)) = &traces {
+        tracing::info!(
+            ?protocol,
+            endpoint = %endpoint().unwrap_or_else(|| "the default".to_owned()),
+            sampling_rate = ?settings.tracing_sampling_rate,
+            "exporting traces over OTLP"
+        );
+    }
+    Ok(Telemetry {
+        provider: traces.map(|(provider, _)| provider),
+    })
 }
 
 /// The span of one decision, a child of the trace context in its call's `headers` if any.
@@ -194,8 +205,8 @@ impl Extractor for Headers<'_> {
 
 /// On when TRACING_ENABLED says so; unset, when an OTLP endpoint is given (unless the
 /// standard OTEL_SDK_DISABLED switch is on).
-fn enabled(tracing: &TracingArgs) -> bool {
-    tracing.tracing_enabled.unwrap_or_else(|| {
+fn enabled(settings: &TracingArgs) -> bool {
+    settings.tracing_enabled.unwrap_or_else(|| {
         let endpoint = [
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -216,8 +227,8 @@ fn variable(name: &str) -> Option<String> {
 }
 
 /// TRACING_EXPORTER_PROTOCOL, else the standard variables, else the reference's http.
-fn protocol(tracing: &TracingArgs) -> anyhow::Result<OtlpProtocol> {
-    if let Some(protocol) = tracing.tracing_exporter_protocol {
+fn protocol(settings: &TracingArgs) -> anyhow::Result<OtlpProtocol> {
+    if let Some(protocol) = settings.tracing_exporter_protocol {
         return Ok(protocol);
     }
     let standard = variable("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
@@ -232,13 +243,17 @@ fn protocol(tracing: &TracingArgs) -> anyhow::Result<OtlpProtocol> {
     }
 }
 
-fn provider(tracing: &TracingArgs) -> anyhow::Result<SdkTracerProvider> {
-    let endpoint = variable("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+/// The collector's address as set, if it is.
+fn endpoint() -> Option<String> {
+    variable("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         .or_else(|| variable("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        .unwrap_or_default();
+}
+
+fn provider(settings: &TracingArgs, protocol: OtlpProtocol) -> anyhow::Result<SdkTracerProvider> {
+    let endpoint = endpoint().unwrap_or_default();
     let tls = endpoint.trim().starts_with("https://");
     let builder = opentelemetry_otlp::SpanExporter::builder();
-    let exporter = match protocol(tracing)? {
+    let exporter = match protocol {
         OtlpProtocol::Http => {
             if tls {
                 bail!(
@@ -261,9 +276,9 @@ fn provider(tracing: &TracingArgs) -> anyhow::Result<SdkTracerProvider> {
     let runtime = Handle::try_current().context("the trace exporter needs the runtime")?;
     let mut provider = SdkTracerProvider::builder()
         .with_batch_exporter(OnRuntime { exporter, runtime })
-        .with_resource(resource(tracing));
+        .with_resource(resource(settings));
     // Unset, the SDK's own sampler: OTEL_TRACES_SAMPLER's, else every trace.
-    if let Some(ratio) = tracing.tracing_sampling_rate {
+    if let Some(ratio) = settings.tracing_sampling_rate {
         provider = provider.with_sampler(Sampler::ParentBased(Box::new(
             Sampler::TraceIdRatioBased(ratio),
         )));
@@ -273,7 +288,7 @@ fn provider(tracing: &TracingArgs) -> anyhow::Result<SdkTracerProvider> {
 
 /// The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) under the reference's
 /// settings, which win where set.
-fn resource(tracing: &TracingArgs) -> Resource {
+fn resource(settings: &TracingArgs) -> Resource {
     let standard = variable("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
     let named = |key: &str| {
         standard.split(',').any(|pair| {
@@ -282,21 +297,21 @@ fn resource(tracing: &TracingArgs) -> Resource {
         })
     };
     let mut builder = Resource::builder();
-    let name = tracing.tracing_service_name.clone().or_else(|| {
+    let name = settings.tracing_service_name.clone().or_else(|| {
         (variable("OTEL_SERVICE_NAME").is_none() && !named("service.name"))
             .then(|| SERVICE_NAME.to_owned())
     });
     if let Some(name) = name {
         builder = builder.with_service_name(name);
     }
-    if let Some(namespace) = tracing
+    if let Some(namespace) = settings
         .tracing_service_namespace
         .clone()
         .filter(|n| !n.is_empty())
     {
         builder = builder.with_attribute(KeyValue::new("service.namespace", namespace));
     }
-    let instance = match tracing
+    let instance = match settings
         .tracing_service_instance_id
         .clone()
         .filter(|id| !id.is_empty())
