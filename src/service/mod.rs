@@ -9,6 +9,8 @@
 //! `rlqs` or `app`, which stand on it.
 
 pub mod fallback;
+pub mod learned;
+pub mod ledger;
 pub mod plan;
 pub mod request;
 pub mod response;
@@ -26,7 +28,7 @@ use crate::decision::FailurePolicy;
 use crate::decision::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Outcome, Role};
 use crate::ops::metrics::{Metrics, RuleHit};
-use crate::service::fallback::Fallback;
+use crate::service::fallback::{Fallback, Settled};
 use crate::service::plan::{Decision, Plan};
 use crate::service::request::{Bounds, CheckRequest};
 use crate::service::response::ResponseSettings;
@@ -124,8 +126,19 @@ impl<B: Backend> RateLimiter<B> {
                 deadline.unwrap_or_else(|| Deadline::for_call(self.settings.request_timeout));
             // The backend's future is made where it is bound, not kept in a local first: a
             // local moved into a future still takes its own room in this one.
+            let local = plan
+                .on_backend_error
+                .unwrap_or(self.settings.on_backend_error)
+                == FailurePolicy::Local;
             let evaluated = if deadline.remaining() < MIN_BUDGET {
                 Err(BackendError::Timeout)
+            } else if local
+                && self.fallback.owes()
+                && let Settled::Owing(error) = self.fallback.settle(&self.backend, deadline).await
+            {
+                // What this instance admitted alone reaches the backend before it decides
+                // from the backend again.
+                Err(error)
             } else {
                 let span = tracing::trace_span!("backend", hits = plan.hits.len());
                 deadline
@@ -138,7 +151,15 @@ impl<B: Backend> RateLimiter<B> {
                     .unwrap_or(Err(BackendError::Timeout))
             };
             match evaluated {
-                Ok(outcomes) => outcomes,
+                Ok(mut outcomes) => {
+                    if local {
+                        self.fallback.learn(&plan.hits, &outcomes);
+                        let charging = self.settings.charging;
+                        self.fallback
+                            .within_share(&plan.hits, &mut outcomes, charging);
+                    }
+                    outcomes
+                }
                 Err(error) => self.on_backend_error(&plan, request.domain, error)?,
             }
         };
