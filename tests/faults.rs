@@ -172,6 +172,26 @@ impl Member {
     }
 }
 
+/// The flags of an instance on the Redis at `url` (`kind`: `--redis-type`).
+fn redis_flags(url: &str, kind: &str, redis_timeout: &str) -> Vec<String> {
+    [
+        "--backend",
+        "redis",
+        "--redis-url",
+        url,
+        "--redis-type",
+        kind,
+        "--redis-timeout",
+        redis_timeout,
+        "--redis-connect-timeout",
+        "1s",
+        "--request-timeout",
+        "2s",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Where Redis is.
 enum Store {
     Single(RedisServer),
@@ -184,22 +204,7 @@ impl Store {
             Store::Single(server) => (server.url(), "single"),
             Store::Cluster(cluster) => (cluster.urls().join(","), "cluster"),
         };
-        [
-            "--backend",
-            "redis",
-            "--redis-url",
-            &url,
-            "--redis-type",
-            kind,
-            "--redis-timeout",
-            redis_timeout,
-            "--redis-connect-timeout",
-            "1s",
-            "--request-timeout",
-            "2s",
-        ]
-        .map(String::from)
-        .to_vec()
+        redis_flags(&url, kind, redis_timeout)
     }
 
     fn single(&mut self) -> &mut RedisServer {
@@ -2014,7 +2019,7 @@ fn most_in_any_window(admitted: &[&Sample], window: Duration) -> usize {
 /// instance limits alone, from its share of what Redis last said was left; once the new
 /// master answers, what each admitted alone is charged there before it decides from Redis
 /// again. The minute admits no more than its limit, nor any 10 s span more than the sliding
-/// limit, and no call fails. (Before the ledger: 600 of 300 and 400 of 200.)
+/// limit, and no call fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_mode_admits_no_more_than_the_limit_across_a_sentinel_failover() {
     let _serial = load::serial().await;
@@ -2260,4 +2265,187 @@ async fn lost_writes(wait: bool) -> usize {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     admitted + after
+}
+
+// ---- a partition between one instance and Redis -------------------------------------------
+
+/// A TCP relay to Redis that the test can stop forwarding, both ways, as a network partition
+/// does: connections stay open and what is sent waits, unanswered. Its connections end when it
+/// is dropped.
+struct Relay {
+    port: u16,
+    held: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let (held, watch) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut pipes = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    continue;
+                };
+                let (from_client, to_client) = inbound.into_split();
+                let (from_redis, to_redis) = outbound.into_split();
+                pipes.spawn(relay_pipe(from_client, to_redis, watch.clone()));
+                pipes.spawn(relay_pipe(from_redis, to_client, watch.clone()));
+            }
+        });
+        Relay { port, held, task }
+    }
+
+    /// Stop forwarding (`true`) or forward again.
+    fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copy `from` to `to` while the relay is not held; what was read when a hold began waits
+/// for its end.
+async fn relay_pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut held: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 << 10];
+    loop {
+        if held.wait_for(|held| !held).await.is_err() {
+            return;
+        }
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if held.wait_for(|held| !held).await.is_err() || to.write_all(&buffer[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+const PARTITION_RULES: &str = r#"
+domain: partition
+descriptors:
+  - key: shared
+    rate_limit: {unit: minute, requests_per_unit: 30}
+  - key: fresh
+    rate_limit: {unit: minute, requests_per_unit: 1000}
+"#;
+const PARTITION_LIMIT: usize = 30;
+
+/// One instance cut off from Redis (a relay that stops forwarding, both ways), two others
+/// not: the cut-off one answers every call by its policy (`deny`) within its bound, the
+/// others keep the exact limit between them, what the cut-off instance sent meanwhile
+/// charges nothing once delivered (its callers' deadlines have passed), and once the link is
+/// back it decides from Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_instance_answers_by_its_policy_and_rejoins() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port()).await;
+    let rules = Rules::new(PARTITION_RULES);
+    let flags = |url: String| -> Vec<String> {
+        let mut flags = redis_flags(&url, "single", REDIS_TIMEOUT);
+        flags
+            .extend(["--on-backend-error", "deny", "--local-cache-entries", "0"].map(String::from));
+        flags
+    };
+    let relayed = format!("redis://127.0.0.1:{}", relay.port);
+    let direct = redis.url();
+    let extras = vec![flags(relayed), flags(direct.clone()), flags(direct)];
+    let mut instances = Turnstile::start_all(rules.path(), &extras).await;
+    let mut clients = Vec::new();
+    for t in &instances {
+        clients.push(RateLimitServiceClient::new(t.channel().await));
+    }
+    clear_of_end(MINUTE, Duration::from_secs(30)).await;
+    let call = async |client: &mut RateLimitServiceClient<_>, key: &str| {
+        let r = request("partition", vec![descriptor(&[(key, "k")])]);
+        let sent = Instant::now();
+        let answer = Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        (answer, sent.elapsed())
+    };
+    // Before: the cut-off instance decides from Redis like the others.
+    let mut admitted = 0;
+    for _ in 0..10 {
+        let (answer, _) = call(&mut clients[0], "shared").await;
+        assert!(answer.admitted(), "before the partition: {answer:?}");
+        admitted += 1;
+    }
+    relay.hold(true);
+    let mut slowest = Duration::ZERO;
+    for round in 0..30 {
+        let (answer, took) = call(&mut clients[0], "shared").await;
+        assert_eq!(
+            answer,
+            Answer::OverLimit(vec![0]),
+            "cut off, call {round} is answered by the policy"
+        );
+        slowest = slowest.max(took);
+        for other in 1..3 {
+            let (answer, _) = call(&mut clients[other], "shared").await;
+            assert!(!answer.failed(), "{answer:?}");
+            admitted += usize::from(answer.admitted());
+        }
+    }
+    assert_eq!(
+        admitted, PARTITION_LIMIT,
+        "the instances Redis still reached kept the exact limit"
+    );
+    assert!(
+        slowest < MAX_LATENCY,
+        "a call to the cut-off instance took {slowest:?}"
+    );
+    let healed_at = Instant::now();
+    relay.hold(false);
+    // Rejoined: it admits a key Redis has room for (the policy never admits).
+    let deadline = Instant::now() + RECOVERY + Duration::from_secs(3);
+    loop {
+        let (answer, _) = call(&mut clients[0], "fresh").await;
+        if answer.admitted() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the instance did not rejoin: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rejoined = healed_at.elapsed();
+    let (answer, _) = call(&mut clients[0], "shared").await;
+    assert_eq!(answer, Answer::OverLimit(vec![0]), "Redis' count is full");
+    let counters = redis.keys("*shared*");
+    let count: Vec<u64> = counters
+        .iter()
+        .map(|k| redis.query::<u64>(&["GET", k]))
+        .collect();
+    assert_eq!(
+        count,
+        [PARTITION_LIMIT as u64],
+        "what the cut-off instance sent meanwhile charged nothing"
+    );
+    for (i, t) in instances.iter_mut().enumerate() {
+        assert!(t.alive(), "instance {i} died");
+    }
+    println!(
+        "[faults] partition: cut off, 30 of 30 calls answered by policy (slowest {slowest:.1?}); the others admitted exactly {PARTITION_LIMIT}; rejoined {rejoined:.2?} after the link came back"
+    );
 }
