@@ -2256,7 +2256,7 @@ async fn lost_writes(wait: bool) -> usize {
             let (_, metrics) = instances[0].http_get("/metrics").await.expect("metrics");
             let errors: Vec<&str> = metrics
                 .lines()
-                .filter(|l| l.starts_with("ratelimit_service_should_rate_limit_error"))
+                .filter(|l| l.starts_with("turnstile_backend_errors"))
                 .collect();
             panic!(
                 "the new master did not decide (waiting for replicas: {wait}; {after} admitted since the promotion; {errors:?})"
