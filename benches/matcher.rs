@@ -111,7 +111,12 @@ fn decision(c: &mut Criterion) {
     let limiter = RateLimiter::new(
         Arc::new(ActiveRules::new(rules())),
         MemoryBackend::new(1_000_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
-        Fallback::new(1.0, 1_000, turnstile::backend::memory::DEFAULT_MAX_BYTES),
+        Fallback::new(
+            1.0,
+            1_000,
+            turnstile::backend::memory::DEFAULT_MAX_BYTES,
+            1_000,
+        ),
         Settings::default(),
         Arc::new(Metrics::new(0.8, 10_000)),
     );

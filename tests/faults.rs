@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use support::clock::{HOUR, clear_of_end};
+use support::clock::{HOUR, MINUTE, clear_of_end};
 use support::load::{self, Answer, Load, Sample, Spec, Target, quantile};
 use support::redis::{Announcements, Engine, RedisCluster, RedisServer, SentinelGroup};
 use support::turnstile::{Rules, Turnstile, descriptor, request};
@@ -172,6 +172,26 @@ impl Member {
     }
 }
 
+/// The flags of an instance on the Redis at `url` (`kind`: `--redis-type`).
+fn redis_flags(url: &str, kind: &str, redis_timeout: &str) -> Vec<String> {
+    [
+        "--backend",
+        "redis",
+        "--redis-url",
+        url,
+        "--redis-type",
+        kind,
+        "--redis-timeout",
+        redis_timeout,
+        "--redis-connect-timeout",
+        "1s",
+        "--request-timeout",
+        "2s",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Where Redis is.
 enum Store {
     Single(RedisServer),
@@ -184,22 +204,7 @@ impl Store {
             Store::Single(server) => (server.url(), "single"),
             Store::Cluster(cluster) => (cluster.urls().join(","), "cluster"),
         };
-        [
-            "--backend",
-            "redis",
-            "--redis-url",
-            &url,
-            "--redis-type",
-            kind,
-            "--redis-timeout",
-            redis_timeout,
-            "--redis-connect-timeout",
-            "1s",
-            "--request-timeout",
-            "2s",
-        ]
-        .map(String::from)
-        .to_vec()
+        redis_flags(&url, kind, redis_timeout)
     }
 
     fn single(&mut self) -> &mut RedisServer {
@@ -876,12 +881,13 @@ async fn a_domains_on_backend_error_overrides_the_global_flag() {
 }
 
 /// `local` with a share of 0.25 on four instances: the limit (400 per hour) is spent in Redis
-/// before the outage; while Redis is frozen each instance admits exactly a quarter of it
-/// alone; once Redis is back, Redis' full count refuses everything again. The counts are
-/// exact, so a Redis call that merely ran late before the outage (and was answered locally)
-/// would blur them: this test gives Redis 200 ms instead of 50.
+/// before the outage; while Redis is frozen no instance admits anything alone, since each
+/// starts from its share of what Redis last said was left (nothing); once Redis is back,
+/// Redis' full count refuses everything again. The counts are exact, so a Redis call that
+/// merely ran late before the outage (and was answered locally) would blur them: this test
+/// gives Redis 200 ms instead of 50.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn local_mode_admits_its_share_of_the_limit_per_instance() {
+async fn local_mode_starts_from_what_redis_said_was_left() {
     let _serial = load::serial().await;
     let store = Store::Single(RedisServer::start());
     let mut scenario = Scenario::start_with(store, &[Policy::Local; 4], "200ms").await;
@@ -965,8 +971,8 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
             .filter(|s| s.target == id && s.answered >= fault_at && s.answer.admitted())
             .count();
         assert_eq!(
-            alone, share,
-            "instance {id} admitted {alone} alone; its share is {share}"
+            alone, 0,
+            "instance {id} admitted {alone} alone; Redis had said nothing was left"
         );
     }
     let after = samples
@@ -990,7 +996,7 @@ async fn local_mode_admits_its_share_of_the_limit_per_instance() {
         .max()
         .unwrap();
     println!(
-        "[faults] local share  {} calls; Redis admitted {before} of {SHARED_LIMIT}; frozen {:?}: each of 4 instances admitted {share} alone (= L x 0.25); after: 0; max latency during fault {during:.1?}",
+        "[faults] local share  {} calls; Redis admitted {before} of {SHARED_LIMIT}; frozen {:?}: each of 4 instances admitted 0 alone (nothing was left); after: 0; max latency during fault {during:.1?}",
         samples.len(),
         back_at - fault_at,
     );
@@ -1849,6 +1855,599 @@ async fn a_pause_of_turnstile_itself_fails_no_call() {
         );
         assert_eq!(opened, 0.0, "{name}: the breaker opened with Redis healthy");
     }
+}
+
+// ---- Sentinel failovers: what `local` carries across them, and writes replication lost --------
+
+const LOCAL_FAILOVER_RULES: &str = r#"
+domain: failover
+descriptors:
+  - key: fixed
+    rate_limit: {unit: minute, requests_per_unit: 300}
+  - key: sliding
+    rate_limit: {window: 10s, requests_per_unit: 200, algorithm: sliding_window}
+  - key: small
+    rate_limit: {unit: minute, requests_per_unit: 40}
+---
+domain: failover_signal
+on_backend_error: deny
+descriptors:
+  - key: signal
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+---
+domain: failover_lost
+on_backend_error: deny
+descriptors:
+  - key: small
+    rate_limit: {unit: minute, requests_per_unit: 40}
+"#;
+const FIXED_LIMIT: usize = 300;
+const SLIDING_LIMIT: usize = 200;
+const SLIDING_WINDOW: Duration = Duration::from_secs(10);
+/// Bound on a Sentinel's failover once the master is killed: its 1 s down-after, then the
+/// election and the promotion.
+const FAILOVER: Duration = Duration::from_secs(15);
+const SENTINEL_MASTER: &str = "turnstile";
+
+/// A master with replicas in sync and one Sentinel (quorum 1) that has seen them all.
+struct Sentineled {
+    master: RedisServer,
+    replicas: Vec<RedisServer>,
+    sentinel: RedisServer,
+}
+
+impl Sentineled {
+    fn start(replicas: usize) -> Sentineled {
+        let master = RedisServer::start();
+        let replicas: Vec<RedisServer> = (0..replicas)
+            .map(|_| RedisServer::start_replica(&master))
+            .collect();
+        Sentineled::watch(master, replicas)
+    }
+
+    /// Once `replicas` are in sync with `master`, a Sentinel that has seen them all.
+    fn watch(master: RedisServer, replicas: Vec<RedisServer>) -> Sentineled {
+        for replica in &replicas {
+            replica.wait_until(Duration::from_secs(10), "replica in sync", |r| {
+                r.query::<String>(&["INFO", "replication"])
+                    .contains("master_link_status:up")
+            });
+        }
+        let sentinel = RedisServer::start_sentinel(&master, SENTINEL_MASTER);
+        let seen = replicas.len();
+        sentinel.wait_until(
+            Duration::from_secs(15),
+            "the Sentinel sees every replica",
+            |s| {
+                s.try_query::<Vec<redis::Value>>(&["SENTINEL", "REPLICAS", SENTINEL_MASTER])
+                    .is_ok_and(|r| r.len() == seen)
+            },
+        );
+        Sentineled {
+            master,
+            replicas,
+            sentinel,
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let url = format!("{SENTINEL_MASTER},{}", self.sentinel.url());
+        [
+            "--backend",
+            "redis",
+            "--redis-type",
+            "sentinel",
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            REDIS_TIMEOUT,
+            "--redis-connect-timeout",
+            "1s",
+            "--request-timeout",
+            "2s",
+            "--on-backend-error",
+            "local",
+            "--local-cache-entries",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// The port the Sentinel names as the master.
+    fn named_master(&self) -> Option<u16> {
+        let addr: Vec<String> = self
+            .sentinel
+            .try_query(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER])
+            .ok()?;
+        addr.get(1)?.parse().ok()
+    }
+
+    /// Wait until every replica has all of the master's writes.
+    fn in_sync(&self) {
+        for replica in &self.replicas {
+            replica.wait_until(Duration::from_secs(10), "replica caught up", |r| {
+                let master = self.master.info("replication", "master_repl_offset");
+                let replica = r.info("replication", "master_repl_offset");
+                master.is_some() && master == replica
+            });
+        }
+    }
+
+    /// SIGKILL the master; the replica the Sentinel promotes, once it is master.
+    fn kill_master_until_promoted(&mut self) -> &RedisServer {
+        self.master.stop();
+        self.until_promoted()
+    }
+
+    /// The replica the Sentinel promotes once the master is gone, once it is master.
+    fn until_promoted(&self) -> &RedisServer {
+        let old = self.master.port();
+        let deadline = Instant::now() + FAILOVER;
+        loop {
+            if let Some(port) = self.named_master().filter(|&p| p != old)
+                && let Some(promoted) = self.replicas.iter().find(|r| r.port() == port)
+                && promoted.role().as_deref() == Some("master")
+            {
+                return promoted;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no replica promoted in {FAILOVER:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The most admissions surely within one span of `window`: those whose calls were sent and
+/// answered inside it (each was decided somewhere between), over spans starting at each call.
+fn most_in_any_window(admitted: &[&Sample], window: Duration) -> usize {
+    let mut sent: Vec<&Sample> = admitted.to_vec();
+    sent.sort_by_key(|s| s.sent);
+    (0..sent.len())
+        .map(|i| {
+            let end = sent[i].sent + window;
+            sent[i..].iter().filter(|s| s.answered < end).count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// `local` with a share of 0.25 on four instances across a Sentinel failover: the master is
+/// killed a third of the way into a minute's limit; until the replica is promoted each
+/// instance limits alone, from its share of what Redis last said was left; once the new
+/// master answers, what each admitted alone is charged there before it decides from Redis
+/// again. The minute admits no more than its limit, nor any 10 s span more than the sliding
+/// limit, and no call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_mode_admits_no_more_than_the_limit_across_a_sentinel_failover() {
+    let _serial = load::serial().await;
+    let mut redis = block_in_place(|| Sentineled::start(1));
+    let rules = Rules::new(LOCAL_FAILOVER_RULES);
+    let mut args = redis.args();
+    args.extend(["--local-share", LOCAL_SHARE].map(String::from));
+    let instances = Turnstile::start_all(rules.path(), &vec![args; 4]).await;
+    // Kinds of streams, in a target's id: instance * KINDS + kind.
+    const KINDS: usize = 3;
+    let (fixed, sliding, signal) = (0, 1, 2);
+    let names = ["fixed", "sliding", "signal"];
+    clear_of_end(MINUTE, Duration::from_secs(45)).await;
+    let mut targets = Vec::new();
+    for (instance, t) in instances.iter().enumerate() {
+        for (kind, name) in names.iter().enumerate() {
+            // Two streams per limit, one for the signal.
+            for _ in 0..if kind == signal { 1 } else { 2 } {
+                // The signal is refused while Redis is away (`deny`), admitted by Redis.
+                let domain = if kind == signal {
+                    "failover_signal"
+                } else {
+                    "failover"
+                };
+                targets.push(Target {
+                    id: instance * KINDS + kind,
+                    channel: t.channel().await,
+                    request: request(domain, vec![descriptor(&[(name, "all")])]),
+                });
+            }
+        }
+    }
+    let streams = targets.len();
+    let mut spec = Spec::new(targets, streams);
+    // About 200 calls a second on each limit: a third of the minute's limit in half a second.
+    spec.pace = Duration::from_millis(40);
+    spec.max_time = Duration::from_secs(35);
+    let load = Load::start(spec);
+    let kind_of = |s: &Sample| s.target % KINDS;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while load
+        .snapshot()
+        .iter()
+        .filter(|s| kind_of(s) == fixed && s.answer.admitted())
+        .count()
+        < FIXED_LIMIT / 3
+    {
+        assert!(Instant::now() < deadline, "the load did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let fault_at = Instant::now();
+    block_in_place(|| {
+        redis.kill_master_until_promoted();
+    });
+    let promoted_at = Instant::now();
+    // Until every instance answers the signal from Redis again, for good.
+    let from_redis = |s: &Sample| s.answer.admitted();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let back_at = loop {
+        let samples = load.snapshot();
+        let back: Option<Vec<Instant>> = (0..instances.len())
+            .map(|i| {
+                let mine: Vec<&Sample> = samples
+                    .iter()
+                    .filter(|s| s.target == i * KINDS + signal && s.sent >= promoted_at)
+                    .collect();
+                let first = mine
+                    .iter()
+                    .rposition(|s| !from_redis(s))
+                    .map_or(0, |p| p + 1);
+                let since = mine.get(first)?.sent;
+                (mine.last()?.sent >= since + STABLE).then_some(since)
+            })
+            .collect();
+        if let Some(back) = back {
+            break back.into_iter().max().expect("instances");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the instances did not answer from the new master"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let samples = load.stop().await;
+    for (i, t) in instances.into_iter().enumerate() {
+        let mut t = t;
+        assert!(t.alive(), "instance {i} died");
+    }
+    let failed: Vec<&Sample> = samples.iter().filter(|s| s.answer.failed()).collect();
+    assert!(failed.is_empty(), "calls failed: {:?}", failed[0]);
+    let admitted = |kind: usize| -> Vec<&Sample> {
+        samples
+            .iter()
+            .filter(|s| kind_of(s) == kind && s.answer.admitted())
+            .collect()
+    };
+    let fixed_admitted = admitted(fixed);
+    let before = fixed_admitted
+        .iter()
+        .filter(|s| s.answered < fault_at)
+        .count();
+    let alone = fixed_admitted
+        .iter()
+        .filter(|s| s.sent > fault_at && s.answered < promoted_at)
+        .count();
+    assert!(
+        alone > 0,
+        "no instance admitted anything alone: the outage was not exercised"
+    );
+    let in_flight = fixed_admitted
+        .iter()
+        .filter(|s| s.sent < fault_at && s.answered >= fault_at)
+        .count();
+    let after = fixed_admitted
+        .iter()
+        .filter(|s| s.sent >= promoted_at)
+        .count();
+    let sliding_most = most_in_any_window(&admitted(sliding), SLIDING_WINDOW);
+    println!(
+        "[faults] sentinel failover under local: {} calls; promotion {:.2?} after the kill, Redis answers for good {:.2?} after; minute {} of {FIXED_LIMIT} ({before} before the kill, {in_flight} in flight at the kill, {alone} alone, {after} after the promotion); most in a 10 s span {sliding_most} of {SLIDING_LIMIT}",
+        samples.len(),
+        promoted_at - fault_at,
+        back_at.saturating_duration_since(promoted_at),
+        fixed_admitted.len(),
+    );
+    assert!(
+        fixed_admitted.len() <= FIXED_LIMIT,
+        "the minute admitted {} of {FIXED_LIMIT} ({before} before the kill, {in_flight} in flight at the kill, {alone} while the instances were alone, {after} after the promotion)",
+        fixed_admitted.len()
+    );
+    assert!(
+        sliding_most <= SLIDING_LIMIT,
+        "a 10 s span admitted {sliding_most} of {SLIDING_LIMIT}"
+    );
+}
+
+/// Writes lost to asynchronous replication, on purpose: both replicas are frozen (SIGSTOP,
+/// so they cannot reconnect) and their links closed by the master while `LOST` requests are
+/// charged, then the master is killed, the replicas resumed, and one that never got those
+/// writes is promoted. Without the durability setting, the two
+/// instances admit those again: the minute admits its limit plus what was lost. With
+/// `--redis-wait-replicas 1`, the calls no replica acknowledged are answered by the policy
+/// (`deny` here, so that the figure is replication's alone) and the minute admits no more
+/// than its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_lost_to_replication_are_admitted_again_unless_calls_wait_for_a_replica() {
+    let _serial = load::serial().await;
+    let without = lost_writes(false).await;
+    let with = lost_writes(true).await;
+    println!(
+        "[faults] lost writes: {LOST} charged while no replica received them; the minute admitted {without} of {SMALL_LIMIT_PER_MINUTE} without waiting for replicas, {with} with --redis-wait-replicas 1"
+    );
+    assert!(
+        without > SMALL_LIMIT_PER_MINUTE,
+        "without waiting, the lost writes were not admitted again: {without}"
+    );
+    assert!(
+        with <= SMALL_LIMIT_PER_MINUTE,
+        "waiting for a replica, the minute admitted {with} of {SMALL_LIMIT_PER_MINUTE}"
+    );
+}
+
+/// `small`'s limit in `LOCAL_FAILOVER_RULES`.
+const SMALL_LIMIT_PER_MINUTE: usize = 40;
+/// Requests charged before the stall (replicated), and during it (lost unless waited for).
+const KEPT: usize = 10;
+const LOST: usize = 10;
+
+/// One run of the lost-writes scenario: how many of `small`'s requests the minute admitted.
+async fn lost_writes(wait: bool) -> usize {
+    let mut redis = block_in_place(|| Sentineled::start(2));
+    let rules = Rules::new(LOCAL_FAILOVER_RULES);
+    let mut args = redis.args();
+    args.extend(["--local-share", "0.5"].map(String::from));
+    if wait {
+        args.extend(
+            ["--redis-wait-replicas", "1", "--redis-wait-timeout", "10ms"].map(String::from),
+        );
+    }
+    let instances = Turnstile::start_all(rules.path(), &vec![args; 2]).await;
+    let mut clients = Vec::new();
+    for t in &instances {
+        clients.push(RateLimitServiceClient::new(t.channel().await));
+    }
+    clear_of_end(MINUTE, Duration::from_secs(40)).await;
+    let mut admitted = 0;
+    let mut calls = 0;
+    let mut call = async |clients: &mut Vec<RateLimitServiceClient<_>>| {
+        let r = request("failover_lost", vec![descriptor(&[("small", "lost")])]);
+        let client = &mut clients[calls % 2];
+        calls += 1;
+        let answer = Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        assert!(!answer.failed(), "a call failed: {answer:?}");
+        answer.admitted()
+    };
+    for _ in 0..KEPT {
+        admitted += usize::from(call(&mut clients).await);
+    }
+    // Frozen for well under the Sentinel's 1 s down-after, which would rule them out.
+    block_in_place(|| {
+        redis.in_sync();
+        for replica in &redis.replicas {
+            replica.freeze();
+        }
+        let _: i64 = redis.master.query(&["CLIENT", "KILL", "TYPE", "replica"]);
+    });
+    for _ in 0..LOST {
+        admitted += usize::from(call(&mut clients).await);
+    }
+    block_in_place(|| {
+        redis.master.stop();
+        for replica in &redis.replicas {
+            replica.thaw();
+        }
+        redis.until_promoted();
+    });
+    // Until the new master has admitted (the policy, `deny`, admits nothing) and then
+    // refuses every call: the minute's limit is spent there.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut after, mut refused_in_a_row) = (0, 0);
+    while after == 0 || refused_in_a_row < 20 {
+        if call(&mut clients).await {
+            after += 1;
+            refused_in_a_row = 0;
+        } else {
+            refused_in_a_row += 1;
+        }
+        if Instant::now() >= deadline {
+            let (_, metrics) = instances[0].http_get("/metrics").await.expect("metrics");
+            let errors: Vec<&str> = metrics
+                .lines()
+                .filter(|l| l.starts_with("turnstile_backend_errors"))
+                .collect();
+            panic!(
+                "the new master did not decide (waiting for replicas: {wait}; {after} admitted since the promotion; {errors:?})"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    admitted + after
+}
+
+// ---- a partition between one instance and Redis -------------------------------------------
+
+/// A TCP relay to Redis that the test can stop forwarding, both ways, as a network partition
+/// does: connections stay open and what is sent waits, unanswered. Its connections end when it
+/// is dropped.
+struct Relay {
+    port: u16,
+    held: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let (held, watch) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut pipes = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    continue;
+                };
+                let (from_client, to_client) = inbound.into_split();
+                let (from_redis, to_redis) = outbound.into_split();
+                pipes.spawn(relay_pipe(from_client, to_redis, watch.clone()));
+                pipes.spawn(relay_pipe(from_redis, to_client, watch.clone()));
+            }
+        });
+        Relay { port, held, task }
+    }
+
+    /// Stop forwarding (`true`) or forward again.
+    fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copy `from` to `to` while the relay is not held; what was read when a hold began waits
+/// for its end.
+async fn relay_pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut held: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 << 10];
+    loop {
+        if held.wait_for(|held| !held).await.is_err() {
+            return;
+        }
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if held.wait_for(|held| !held).await.is_err() || to.write_all(&buffer[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+const PARTITION_RULES: &str = r#"
+domain: partition
+descriptors:
+  - key: shared
+    rate_limit: {unit: minute, requests_per_unit: 30}
+  - key: fresh
+    rate_limit: {unit: minute, requests_per_unit: 1000}
+"#;
+const PARTITION_LIMIT: usize = 30;
+
+/// One instance cut off from Redis (a relay that stops forwarding, both ways), two others
+/// not: the cut-off one answers every call by its policy (`deny`) within its bound, the
+/// others keep the exact limit between them, what the cut-off instance sent meanwhile
+/// charges nothing once delivered (its callers' deadlines have passed), and once the link is
+/// back it decides from Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_instance_answers_by_its_policy_and_rejoins() {
+    let _serial = load::serial().await;
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port()).await;
+    let rules = Rules::new(PARTITION_RULES);
+    let flags = |url: String| -> Vec<String> {
+        let mut flags = redis_flags(&url, "single", REDIS_TIMEOUT);
+        flags
+            .extend(["--on-backend-error", "deny", "--local-cache-entries", "0"].map(String::from));
+        flags
+    };
+    let relayed = format!("redis://127.0.0.1:{}", relay.port);
+    let direct = redis.url();
+    let extras = vec![flags(relayed), flags(direct.clone()), flags(direct)];
+    let mut instances = Turnstile::start_all(rules.path(), &extras).await;
+    let mut clients = Vec::new();
+    for t in &instances {
+        clients.push(RateLimitServiceClient::new(t.channel().await));
+    }
+    clear_of_end(MINUTE, Duration::from_secs(30)).await;
+    let call = async |client: &mut RateLimitServiceClient<_>, key: &str| {
+        let r = request("partition", vec![descriptor(&[(key, "k")])]);
+        let sent = Instant::now();
+        let answer = Answer::from_result(
+            client
+                .should_rate_limit(r)
+                .await
+                .map(tonic::Response::into_inner),
+        );
+        (answer, sent.elapsed())
+    };
+    // Before: the cut-off instance decides from Redis like the others.
+    let mut admitted = 0;
+    for _ in 0..10 {
+        let (answer, _) = call(&mut clients[0], "shared").await;
+        assert!(answer.admitted(), "before the partition: {answer:?}");
+        admitted += 1;
+    }
+    relay.hold(true);
+    let mut slowest = Duration::ZERO;
+    for round in 0..30 {
+        let (answer, took) = call(&mut clients[0], "shared").await;
+        assert_eq!(
+            answer,
+            Answer::OverLimit(vec![0]),
+            "cut off, call {round} is answered by the policy"
+        );
+        slowest = slowest.max(took);
+        for other in &mut clients[1..] {
+            let (answer, _) = call(other, "shared").await;
+            assert!(!answer.failed(), "{answer:?}");
+            admitted += usize::from(answer.admitted());
+        }
+    }
+    assert_eq!(
+        admitted, PARTITION_LIMIT,
+        "the instances Redis still reached kept the exact limit"
+    );
+    assert!(
+        slowest < MAX_LATENCY,
+        "a call to the cut-off instance took {slowest:?}"
+    );
+    let healed_at = Instant::now();
+    relay.hold(false);
+    // Rejoined: it admits a key Redis has room for (the policy never admits).
+    let deadline = Instant::now() + RECOVERY + Duration::from_secs(3);
+    loop {
+        let (answer, _) = call(&mut clients[0], "fresh").await;
+        if answer.admitted() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the instance did not rejoin: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rejoined = healed_at.elapsed();
+    let (answer, _) = call(&mut clients[0], "shared").await;
+    assert_eq!(answer, Answer::OverLimit(vec![0]), "Redis' count is full");
+    let counters = redis.keys("*shared*");
+    let count: Vec<u64> = counters
+        .iter()
+        .map(|k| redis.query::<u64>(&["GET", k]))
+        .collect();
+    assert_eq!(
+        count,
+        [PARTITION_LIMIT as u64],
+        "what the cut-off instance sent meanwhile charged nothing"
+    );
+    for (i, t) in instances.iter_mut().enumerate() {
+        assert!(t.alive(), "instance {i} died");
+    }
+    println!(
+        "[faults] partition: cut off, 30 of 30 calls answered by policy (slowest {slowest:.1?}); the others admitted exactly {PARTITION_LIMIT}; rejoined {rejoined:.2?} after the link came back"
+    );
 }
 
 // ---- a master killed under load, followed ---------------------------------------------------

@@ -474,6 +474,15 @@ pub struct ServeArgs {
     /// Bound on every Redis call; past it the call counts as failed.
     #[arg(long, env = "TURNSTILE_REDIS_TIMEOUT", value_parser = duration, default_value = "25ms")]
     pub redis_timeout: Duration,
+    /// Replicas that must have every script call's writes before its answer counts (Redis
+    /// `WAIT`, sent right after the call on its connection, once per call however many
+    /// requests it decides): a failover to one of them then loses no charge. Fewer in time
+    /// (--redis-wait-timeout) is a backend error, answered by the failure policy. 0: no wait.
+    #[arg(long, env = "REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
+    /// How long a call waits for --redis-wait-replicas; within --redis-timeout.
+    #[arg(long, env = "REDIS_WAIT_TIMEOUT", value_parser = positive_duration, default_value = "10ms")]
+    pub redis_wait_timeout: Duration,
     /// Bound on connecting to Redis.
     #[arg(long, env = "TURNSTILE_REDIS_CONNECT_TIMEOUT", value_parser = duration, default_value = "1s")]
     pub redis_connect_timeout: Duration,
@@ -526,6 +535,13 @@ pub struct ServeArgs {
     /// Share of each limit an instance enforces alone in `local` mode: 1/N for N instances.
     #[arg(long, env = "TURNSTILE_LOCAL_SHARE", default_value_t = 1.0)]
     pub local_share: f64,
+    /// Keys `local` mode keeps about: the charges it owes the backend for what it admitted
+    /// alone (charged there once the backend answers, before deciding from it again), and
+    /// what the backend last said was left of each limit (where a key's local share starts).
+    /// A request that would owe on a new key while the ledger is full of charges whose
+    /// windows have not ended is refused.
+    #[arg(long, env = "TURNSTILE_LOCAL_LEDGER_KEYS", default_value_t = 100_000)]
+    pub local_ledger_keys: usize,
     /// Consecutive backend failures that open the circuit breaker.
     #[arg(long, env = "TURNSTILE_BREAKER_FAILURES", default_value_t = 5)]
     pub breaker_failures: u32,

@@ -25,7 +25,7 @@ use crate::backend::Backend;
 use crate::backend::breaker::BreakerConfig;
 use crate::backend::deferred::Deferred;
 use crate::backend::memory::MemoryBackend;
-use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls};
+use crate::backend::redis::{KeyLayout, RedisBackend, RedisConfig, RedisMode, RedisTls, Wait};
 use crate::backend::stack::{self, StackConfig};
 use crate::config::active::ActiveRules;
 use crate::config::reload::Reloader;
@@ -132,6 +132,10 @@ fn redis_config(args: &ServeArgs) -> anyhow::Result<RedisConfig> {
         io_slice: Some(args.redis_io_slice).filter(|slice| !slice.is_zero()),
         connect_timeout: args.redis_connect_timeout,
         call_timeout: args.redis_timeout,
+        wait: (args.redis_wait_replicas > 0).then_some(Wait {
+            replicas: args.redis_wait_replicas,
+            timeout: args.redis_wait_timeout,
+        }),
         key_prefix: args.cache_key_prefix.clone(),
         key_layout: match args.key_layout {
             KeyLayoutArg::Turnstile => KeyLayout::Turnstile,
@@ -332,8 +336,10 @@ async fn run<B: Backend>(
         args.local_share,
         args.memory_max_keys,
         args.memory_max_bytes,
+        args.local_ledger_keys,
     )
-    .counting_evictions(metrics.memory_evictions.clone());
+    .counting_evictions(metrics.memory_evictions.clone())
+    .counting_charges(metrics.ledger.clone());
     fallback.spawn_sweeper(MEMORY_SWEEP_PERIOD);
     let quota = rlqs::QuotaService::new(
         rules.clone(),

@@ -34,7 +34,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::Backend;
 use crate::algorithm::{KeyState, Micros};
-use crate::decision::{BackendError, Charging, Hit, Outcome, request_refused};
+use crate::decision::{BackendError, Charging, Hit, Outcome};
 
 const SHARDS: usize = 64;
 
@@ -188,24 +188,13 @@ fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
     entry.bytes = entry_bytes(&hit.key) + entry.state.as_ref().map_or(0, KeyState::heap_bytes);
 }
 
-/// Whether a request whose hits got `verdicts` is charged.
-fn charges(charging: Charging, hits: &[Hit], verdicts: &[Outcome]) -> bool {
-    match charging {
-        Charging::PerDescriptor => true,
-        Charging::Nothing => false,
-        Charging::Atomic => {
-            !request_refused(hits.iter().zip(verdicts).map(|(h, v)| (h.role, v.admitted)))
-        }
-    }
-}
-
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // Entries are updated in place by plain arithmetic that cannot panic halfway, so a
     // poisoned lock still guards consistent data.
     shard.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn now_micros() -> Micros {
+pub fn now_micros() -> Micros {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as Micros)
@@ -290,7 +279,7 @@ impl MemoryBackend {
             let mut shard = self.lock(self.shard_of(&hit.key));
             let verdict = check_any(shard.touch(&hit.key, now), hit, now);
             let verdicts = vec![verdict];
-            if hit.releases() || (charges(charging, hits, &verdicts) && writes(hit, &verdict)) {
+            if hit.releases() || (charging.charges(hits, &verdicts) && writes(hit, &verdict)) {
                 self.charge(&mut shard, hit, hits, now);
             }
             return Ok(verdicts);
@@ -326,7 +315,7 @@ impl MemoryBackend {
             }
             verdicts.push(v);
         }
-        let charge = charges(charging, hits, &verdicts);
+        let charge = charging.charges(hits, &verdicts);
         for ((h, v), &g) in hits.iter().zip(&verdicts).zip(&held) {
             if h.releases() || (charge && writes(h, v)) {
                 self.charge(&mut guards[g], h, hits, now);

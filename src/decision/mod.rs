@@ -94,6 +94,19 @@ pub enum Charging {
     Nothing,
 }
 
+impl Charging {
+    /// Whether a request whose hits got `verdicts` is charged.
+    pub fn charges(self, hits: &[Hit], verdicts: &[Outcome]) -> bool {
+        match self {
+            Charging::PerDescriptor => true,
+            Charging::Nothing => false,
+            Charging::Atomic => {
+                !request_refused(hits.iter().zip(verdicts).map(|(h, v)| (h.role, v.admitted)))
+            }
+        }
+    }
+}
+
 /// The answer on one hit, whoever gives it: an algorithm's arithmetic (before anything is
 /// written), a backend, a lease pool or the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -138,7 +138,30 @@ pub struct Metrics {
     /// Keys a full memory backend (the embedded one or `local` fallback's) evicted.
     pub memory_evictions: Counter,
     pub local_cache_hits: Counter,
+    /// What becomes of the charges `local` mode owes the backend.
+    pub ledger: LedgerCounters,
     circuit_open: Gauge,
+}
+
+/// What becomes of the charges `local` mode owes the backend (see `ledger`).
+#[derive(Clone)]
+pub struct LedgerCounters {
+    /// Units charged to the backend.
+    pub carried: Counter,
+    /// Units dropped because their window had ended before the backend answered again.
+    pub dropped: Counter,
+    /// Requests refused because the ledger had no room for their charges.
+    pub refused: Counter,
+}
+
+impl Default for LedgerCounters {
+    fn default() -> LedgerCounters {
+        LedgerCounters {
+            carried: Counter::noop(),
+            dropped: Counter::noop(),
+            refused: Counter::noop(),
+        }
+    }
 }
 
 /// The budget of series whose labels come from requests.
@@ -275,6 +298,11 @@ impl Metrics {
             fallback_answers: plain("turnstile_backend_fallback_answers"),
             memory_evictions: plain("turnstile_memory_evictions"),
             local_cache_hits: plain("turnstile_local_cache_hits"),
+            ledger: LedgerCounters {
+                carried: plain("turnstile_local_units_carried"),
+                dropped: plain("turnstile_local_units_dropped"),
+                refused: plain("turnstile_local_ledger_full_refusals"),
+            },
             circuit_open: recorder
                 .register_gauge(&Key::from_name("turnstile_backend_circuit_open"), &METADATA),
             recorder,

@@ -9,6 +9,8 @@
 //! `rlqs` or `app`, which stand on it.
 
 pub mod fallback;
+pub mod learned;
+pub mod ledger;
 pub mod plan;
 pub mod request;
 pub mod response;
@@ -29,7 +31,7 @@ use crate::decision::deadline::Deadline;
 use crate::decision::{BackendError, Charging, Outcome, Role};
 use crate::ops::metrics::{Metrics, RuleHit};
 use crate::ops::telemetry;
-use crate::service::fallback::Fallback;
+use crate::service::fallback::{Fallback, Settled};
 use crate::service::plan::{Decision, Plan};
 use crate::service::request::{Bounds, CheckRequest};
 use crate::service::response::ResponseSettings;
@@ -147,10 +149,21 @@ impl<B: Backend> RateLimiter<B> {
         } else {
             let deadline =
                 deadline.unwrap_or_else(|| Deadline::for_call(self.settings.request_timeout));
+            let local = plan
+                .on_backend_error
+                .unwrap_or(self.settings.on_backend_error)
+                == FailurePolicy::Local;
             // The backend's future is made where it is bound, not kept in a local first: a
             // local moved into a future still takes its own room in this one.
             let evaluated = if deadline.remaining() < MIN_BUDGET {
                 Err(BackendError::Timeout)
+            } else if local
+                && self.fallback.owes()
+                && let Settled::Owing(error) = self.fallback.settle(&self.backend, deadline).await
+            {
+                // What this instance admitted alone reaches the backend before it decides
+                // from the backend again.
+                Err(error)
             } else {
                 // Timed only when something listens to the span.
                 let started = (!span.is_disabled()).then(Instant::now);
@@ -164,7 +177,15 @@ impl<B: Backend> RateLimiter<B> {
                 evaluated
             };
             match evaluated {
-                Ok(outcomes) => outcomes,
+                Ok(mut outcomes) => {
+                    if local {
+                        self.fallback.learn(&plan.hits, &outcomes);
+                        let charging = self.settings.charging;
+                        self.fallback
+                            .within_share(&plan.hits, &mut outcomes, charging);
+                    }
+                    outcomes
+                }
                 Err(error) => {
                     span.record("backend_error", tracing::field::display(&error));
                     self.on_backend_error(&plan, request.domain, error)?

@@ -383,7 +383,7 @@ async fn send(shared: &Shared, batch: Vec<Request>) -> Vec<Request> {
         *lock(&request.written) = Some(sent);
     }
     let answer = shared
-        .bounded(bound, shared.runner.run(&shared.pool, &call))
+        .bounded(bound, shared.runner.run(&shared.pool, &call, shared.wait))
         .await
         .and_then(|raw| script::decode(&raw, &call));
     drop(call);

@@ -9,12 +9,12 @@ use ::redis::aio::ConnectionManager;
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
-use ::redis::{Cmd, ConnectionInfo, FromRedisValue, RedisError, RedisResult, Value};
+use ::redis::{Cmd, ConnectionInfo, ErrorKind, FromRedisValue, RedisError, RedisResult, Value};
 
 use super::client::{RoundRobin, certificates, client, managers, resolve, unavailable};
 use super::sentinel::{SentinelPool, SentinelWatch};
 use super::slot_watch::SlotWatch;
-use super::{Learned, RedisConfig, RedisMode};
+use super::{Learned, RedisConfig, RedisMode, Wait};
 use crate::decision::BackendError;
 
 pub(super) enum Pool {
@@ -114,6 +114,48 @@ impl Pool {
             Pool::Sentinel(pool) => cmd.query_async(&mut pool.pick()).await,
             Pool::Cluster(pool, _) => cmd.query_async(&mut pool.pick()).await,
         }
+    }
+
+    /// Send `cmd`, then, with `wait`, `WAIT` for that many replicas (within its timeout) on
+    /// the same connection in one write: `cmd`'s reply once enough replicas have its writes,
+    /// an error when fewer acknowledged them in time. A Cluster routes the pair by `cmd`'s key.
+    pub(super) async fn query_replicated<T: FromRedisValue>(
+        &self,
+        cmd: &Cmd,
+        wait: Option<Wait>,
+    ) -> RedisResult<T> {
+        let Some(wait) = wait else {
+            return self.query(cmd).await;
+        };
+        let mut pipe = ::redis::pipe();
+        // Each reply as it came, an error reply included: the caller reads `cmd`'s errors by
+        // their kind (a missing function, a lost script), which a failed pipeline's hides.
+        pipe.ignore_errors()
+            .add_command(cmd.clone())
+            .cmd("WAIT")
+            .arg(wait.replicas)
+            .arg(wait.timeout.as_millis().max(1) as u64);
+        let replies: Vec<Value> = match self {
+            Pool::Single(pool) => pipe.query_async(&mut pool.pick()).await?,
+            Pool::Sentinel(pool) => pipe.query_async(&mut pool.pick()).await?,
+            Pool::Cluster(pool, _) => pipe.query_async(&mut pool.pick()).await?,
+        };
+        let malformed =
+            || RedisError::from((ErrorKind::Parse, "a pipeline of two replied otherwise"));
+        let [reply, acknowledged] = <[Value; 2]>::try_from(replies).map_err(|_| malformed())?;
+        let reply = T::from_redis_value(reply.extract_error()?)?;
+        let acknowledged = u32::from_redis_value(acknowledged.extract_error()?)?;
+        if acknowledged < wait.replicas {
+            return Err(RedisError::from((
+                ErrorKind::Extension,
+                "too few replicas",
+                format!(
+                    "{acknowledged} of {} replicas acknowledged the call within {:?}",
+                    wait.replicas, wait.timeout
+                ),
+            )));
+        }
+        Ok(reply)
     }
 
     /// Send `cmd` to every master: each one's reply (or the error in its place) by its

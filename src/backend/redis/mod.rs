@@ -85,6 +85,9 @@ pub struct RedisConfig {
     /// after it was written fails with [`BackendError::Timeout`]; a request whose caller waited
     /// this long mostly in turnstile's own queue, with [`BackendError::Late`]. Default: 25 ms.
     pub call_timeout: Duration,
+    /// Replicas every script call's writes must reach before its answer counts (see
+    /// [`Wait`]). Default: none.
+    pub wait: Option<Wait>,
     /// Prepended to every key, outside the hash tag; must not contain braces. Default: "".
     pub key_prefix: String,
     /// Certificates for `rediss://` URLs beyond the system's roots (single and Cluster).
@@ -97,6 +100,16 @@ pub struct RedisConfig {
     /// `slice`); the thread is the process's, shared by its backends. None: left as it is
     /// (the kernel's default). Default: 100 µs.
     pub io_slice: Option<Duration>,
+}
+
+/// Durability of charges: after each script call, on its connection, `WAIT` for `replicas`
+/// replicas for at most `timeout`. A failover to one of them then loses none of the call's
+/// charges; a call fewer replicas acknowledged in time fails (the failure policy answers its
+/// requests, although the master has charged them: counted twice rather than lost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wait {
+    pub replicas: u32,
+    pub timeout: Duration,
 }
 
 /// PEM certificates for TLS to Redis.
@@ -117,6 +130,7 @@ impl Default for RedisConfig {
             batch: 64,
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_millis(25),
+            wait: None,
             key_prefix: String::new(),
             key_layout: KeyLayout::Turnstile,
             tls: RedisTls::default(),
@@ -138,6 +152,7 @@ impl fmt::Debug for RedisConfig {
             .field("batch", &self.batch)
             .field("connect_timeout", &self.connect_timeout)
             .field("call_timeout", &self.call_timeout)
+            .field("wait", &self.wait)
             .field("key_prefix", &self.key_prefix)
             .field("key_layout", &self.key_layout)
             .field("tls_ca", &self.tls.ca.is_some())
@@ -164,6 +179,8 @@ struct Shared {
     runner: Arc<script::Runner>,
     lanes: Lanes,
     call_timeout: Duration,
+    /// Replicas each script call waits for.
+    wait: Option<Wait>,
     /// Bound on script calls that must finish even after the caller gave up (refunds).
     cleanup_timeout: Duration,
     key_prefix: String,
@@ -213,6 +230,7 @@ impl Shared {
             runner: learned.runner,
             lanes: Lanes::new(config.batch, config.connections),
             call_timeout: config.call_timeout,
+            wait: config.wait,
             cleanup_timeout: config.call_timeout + config.connect_timeout,
             key_prefix: config.key_prefix.clone(),
             key_layout: config.key_layout,

@@ -17,7 +17,7 @@ use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErr
 use indexmap::IndexSet;
 
 use super::connect::Pool;
-use super::{KeyLayout, twins};
+use super::{KeyLayout, Wait, twins};
 use crate::algorithm::Micros;
 use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
 
@@ -84,20 +84,22 @@ pub(super) async fn run_lua(
         cmd.arg(script).arg(1).arg(key).arg(args);
         cmd
     };
-    by_hash(pool, command, &lua.sha1, lua.source).await
+    by_hash(pool, command, &lua.sha1, lua.source, None).await
 }
 
 /// Run a script by hash, and by text (which also caches it) if the server lost it;
-/// `command(verb, script)` is the call with that verb and the hash or the text.
+/// `command(verb, script)` is the call with that verb and the hash or the text; `wait`: the
+/// replicas it waits for.
 async fn by_hash<T: FromRedisValue>(
     pool: &Pool,
     command: impl Fn(&str, &str) -> Cmd,
     sha1: &str,
     source: &str,
+    wait: Option<Wait>,
 ) -> RedisResult<T> {
-    match pool.query(&command("EVALSHA", sha1)).await {
+    match pool.query_replicated(&command("EVALSHA", sha1), wait).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            pool.query(&command("EVAL", source)).await
+            pool.query_replicated(&command("EVAL", source), wait).await
         }
         result => result,
     }
@@ -369,17 +371,23 @@ impl Runner {
     /// Run a call: as a function, loading the library if the server lost it; where the
     /// server has no functions, by hash, and by text if the server lost the script. Only an
     /// answer that functions are not to be had switches to scripts: any other error (a
-    /// failover's `READONLY`, say) fails this call alone.
-    pub(super) async fn run(&self, pool: &Pool, call: &Call<'_>) -> RedisResult<Vec<Option<i64>>> {
+    /// failover's `READONLY`, say) fails this call alone. With `wait`, the call waits for
+    /// that many replicas to have its writes.
+    pub(super) async fn run(
+        &self,
+        pool: &Pool,
+        call: &Call<'_>,
+        wait: Option<Wait>,
+    ) -> RedisResult<Vec<Option<i64>>> {
         let batch = &*BATCH;
         if !self.by_hash.load(Ordering::Relaxed) {
             let fcall = call.command("FCALL", &batch.function);
-            match pool.query(&fcall).await {
+            match pool.query_replicated(&fcall, wait).await {
                 Err(err) if function_missing(&err) => {
                     let mut load = ::redis::cmd("FUNCTION");
                     load.arg("LOAD").arg("REPLACE").arg(&batch.library);
                     match pool.query::<Value>(&load).await {
-                        Ok(_) => return pool.query(&fcall).await,
+                        Ok(_) => return pool.query_replicated(&fcall, wait).await,
                         Err(err) if no_functions(&err) => self.give_up_functions(&err),
                         Err(err) => return Err(err),
                     }
@@ -389,7 +397,7 @@ impl Runner {
             }
         }
         let command = |verb: &str, script: &str| call.command(verb, script);
-        by_hash(pool, command, &batch.sha1, &batch.source).await
+        by_hash(pool, command, &batch.sha1, &batch.source, wait).await
     }
 
     fn give_up_functions(&self, err: &RedisError) {
