@@ -27,7 +27,7 @@ use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::limit::{Kind, Limit, Unit};
+use turnstile::decision::limit::{Algorithm, Limit, Unit};
 use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
 
 /// Sequences per run, and most steps per sequence (each draws its length up to it): ~2 500
@@ -126,7 +126,7 @@ async fn backends(server: &RedisServer, cluster: &RedisCluster, alone: &RedisSer
     }
 }
 
-fn limit(algorithm: Kind, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
+fn limit(algorithm: Algorithm, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
     let unit = match window {
         60 => Unit::Minute,
         3_600 => Unit::Hour,
@@ -153,7 +153,7 @@ struct Rule {
 }
 
 fn random_limit(rng: &mut fastrand::Rng) -> Limit {
-    let algorithm = Kind::ALL[rng.usize(..Kind::ALL.len())];
+    let algorithm = Algorithm::ALL[rng.usize(..Algorithm::ALL.len())];
     let window = [1, 10, 60][rng.usize(..3)];
     let rate = if rng.u8(..20) == 0 { 0 } else { rng.u32(1..=8) };
     let burst = match algorithm.takes_burst() {
@@ -233,7 +233,7 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
         // rule's counter when the window is the same.
         let window = [1, 60][rng.usize(..2)];
         let rate = rng.u32(0..=6);
-        vec![(limit(Kind::FixedWindow, rate, window, rate), None)]
+        vec![(limit(Algorithm::FixedWindow, rate, window, rate), None)]
     } else {
         rule.limits
             .iter()
@@ -385,7 +385,7 @@ async fn drifts_once_found_stay_fixed() {
     let (server, alone) = (RedisServer::start(), RedisServer::start());
     let cluster = RedisCluster::shared();
     let backends = backends(&server, &cluster, &alone).await;
-    let five = limit(Kind::Concurrency, 5, 60, 5);
+    let five = limit(Algorithm::Concurrency, 5, 60, 5);
     let lease = |key: &str, op, id: &str| Hit {
         key: key.into(),
         limit: five,
@@ -401,7 +401,7 @@ async fn drifts_once_found_stay_fixed() {
     // A key in another Cluster slot than "lease-*", refusing everything.
     let never = Hit {
         key: "never".into(),
-        limit: limit(Kind::FixedWindow, 0, 60, 0),
+        limit: limit(Algorithm::FixedWindow, 0, 60, 0),
         hits: 1,
         role: Role::Enforce,
         lease: None,

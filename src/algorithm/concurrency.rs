@@ -14,7 +14,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use super::{Algorithm, Micros, clamp_u32, window_micros};
+use super::{Arithmetic, Micros, clamp_u32, window_micros};
 use crate::decision::{Cost, LeaseOp, Outcome};
 use crate::decision::limit::Limit;
 
@@ -50,7 +50,7 @@ impl State {
     }
 }
 
-impl Algorithm for Concurrency {
+impl Arithmetic for Concurrency {
     type State = State;
     const IN_FLIGHT: bool = true;
     /// One lease per request in flight, each named by its request, and every decision reads
@@ -116,7 +116,7 @@ impl Algorithm for Concurrency {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
 
@@ -131,7 +131,7 @@ mod tests {
     #[test]
     fn n_in_flight_then_refusal_until_one_is_released_or_expires() {
         let limit = Limit {
-            algorithm: Kind::Concurrency,
+            algorithm: Algorithm::Concurrency,
             ..Limit::fixed(2, Unit::Minute)
         };
         let mut s = State::default();
@@ -166,7 +166,7 @@ mod tests {
         // 100 leases named by 8-byte ids, then by 4 KB ids: the same bytes, and each id
         // still names its own lease (a repeat takes none, a release frees its own).
         let limit = Limit {
-            algorithm: Kind::Concurrency,
+            algorithm: Algorithm::Concurrency,
             ..Limit::fixed(10_000, Unit::Hour)
         };
         let bytes = |width: usize| {

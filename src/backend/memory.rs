@@ -391,7 +391,7 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Limit, Unit};
+    use crate::decision::limit::{Algorithm, Limit, Unit};
     use crate::decision::{LeaseOp, Role};
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -452,7 +452,7 @@ mod tests {
     #[test]
     fn every_algorithm_runs_on_it_and_state_expires() {
         let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
-        for algorithm in Kind::ALL {
+        for algorithm in Algorithm::ALL {
             let limit = Limit {
                 algorithm,
                 ..Limit::fixed(1, Unit::Second)
@@ -460,7 +460,7 @@ mod tests {
             // Each call is a request of its own (for a concurrency limit, its own lease).
             let run = |now: Micros| {
                 let h = Hit {
-                    lease: (algorithm == Kind::Concurrency)
+                    lease: (algorithm == Algorithm::Concurrency)
                         .then(|| (LeaseOp::Acquire, format!("request-{now}"))),
                     ..hit(algorithm.name(), limit, Role::Enforce)
                 };
@@ -658,11 +658,11 @@ mod tests {
         };
         // (algorithm, the n-th hit on a key)
         type Nth = fn(&str, Limit, usize) -> Hit;
-        let rows: [(Kind, Nth); 2] = [
-            (Kind::SlidingWindow, |key, limit, _| {
+        let rows: [(Algorithm, Nth); 2] = [
+            (Algorithm::SlidingWindow, |key, limit, _| {
                 hit(key, limit, Role::Enforce)
             }),
-            (Kind::Concurrency, |key, limit, n| Hit {
+            (Algorithm::Concurrency, |key, limit, n| Hit {
                 lease: Some((LeaseOp::Acquire, format!("{n:032}"))),
                 ..hit(key, limit, Role::Enforce)
             }),

@@ -510,7 +510,7 @@ fn decode_hits(raw: &[Option<i64>], per_hit: usize) -> Option<Vec<Reply>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Limit, Unit};
+    use crate::decision::limit::{Algorithm, Limit, Unit};
     use ::redis::Arg;
 
     /// Push an enforced hit of `limit` on `key` to `part`.
@@ -539,7 +539,7 @@ mod tests {
     fn a_call_sends_each_spec_and_each_run_shape_once_then_its_requests_tickets_together() {
         let minute = Limit::fixed(10, Unit::Minute);
         let leased = Limit {
-            algorithm: Kind::Concurrency,
+            algorithm: Algorithm::Concurrency,
             ..minute
         };
         let mut first = Part::new(Mode::Atomic, Nonce(*b"nonce0000001"));

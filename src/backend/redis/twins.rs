@@ -1,7 +1,7 @@
 //! The batch script's algorithms: each algorithm's Lua twin, bound to the name the Rust side
 //! calls it by.
 //!
-//! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
+//! A twin (`Algorithm::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
 //! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
 //! burst and role one or more hits share) and a hit `h` (its key, cost, lease and index, and
 //! the request's nonce if the twin's table says `named = true`: splitting it off costs), and
@@ -42,15 +42,15 @@
 use std::fmt::Write;
 
 use super::KeyLayout;
-use crate::decision::limit::Kind;
+use crate::decision::limit::Algorithm;
 
-/// Every twin's script name, kind and layout: one per kind and layout it is kept in.
-fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
-    let mut bound: Vec<(&str, Kind, KeyLayout)> = Vec::new();
-    for kind in Kind::ALL {
-        for layout in KeyLayout::ALL.map(|l| l.of(kind)) {
-            if !bound.iter().any(|&(_, k, l)| (k, l) == (kind, layout)) {
-                bound.push((layout.script_name(kind), kind, layout));
+/// Every twin's script name, algorithm and layout: one per algorithm and layout it is kept in.
+fn bindings() -> Vec<(&'static str, Algorithm, KeyLayout)> {
+    let mut bound: Vec<(&str, Algorithm, KeyLayout)> = Vec::new();
+    for algorithm in Algorithm::ALL {
+        for layout in KeyLayout::ALL.map(|l| l.of(algorithm)) {
+            if !bound.iter().any(|&(_, k, l)| (k, l) == (algorithm, layout)) {
+                bound.push((layout.script_name(algorithm), algorithm, layout));
             }
         }
     }
@@ -83,9 +83,9 @@ end
 ];
 
 /// The branch of `LOOKUP` that binds `name` (the `n`-th binding) to its twin and layout.
-fn bind(n: usize, name: &str, kind: Kind, layout: KeyLayout) -> String {
+fn bind(n: usize, name: &str, algorithm: Algorithm, layout: KeyLayout) -> String {
     let branch = if n == 0 { "if" } else { "elseif" };
-    let (twin, layout) = (kind.name(), layout.lua_name());
+    let (twin, layout) = (algorithm.name(), layout.lua_name());
     format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
@@ -120,14 +120,14 @@ pub(super) fn library(driver: &str, name: &str) -> Option<String> {
 /// make and keep them.
 fn twins() -> String {
     let mut source = String::new();
-    for kind in Kind::ALL {
-        let _ = writeln!(source, "local {}_twin = function(...)", kind.name());
-        source.push_str(kind.lua());
+    for algorithm in Algorithm::ALL {
+        let _ = writeln!(source, "local {}_twin = function(...)", algorithm.name());
+        source.push_str(algorithm.lua());
         source.push_str("\nend\n");
     }
     source.push_str(LOOKUP[0]);
-    for (n, (name, kind, layout)) in bindings().into_iter().enumerate() {
-        source.push_str(&bind(n, name, kind, layout));
+    for (n, (name, algorithm, layout)) in bindings().into_iter().enumerate() {
+        source.push_str(&bind(n, name, algorithm, layout));
     }
     source.push_str(LOOKUP[1]);
     source
@@ -140,20 +140,27 @@ mod tests {
     #[test]
     fn every_kind_and_layout_is_bound_under_the_name_calls_ask_for() {
         let script = script("-- driver");
-        for kind in Kind::ALL {
+        for algorithm in Algorithm::ALL {
             for layout in KeyLayout::ALL {
-                let name = layout.script_name(kind);
-                let twin = format!("{}_twin({:?})", kind.name(), layout.of(kind).lua_name());
+                let name = layout.script_name(algorithm);
+                let twin = format!(
+                    "{}_twin({:?})",
+                    algorithm.name(),
+                    layout.of(algorithm).lua_name()
+                );
                 let binding = format!(" name == {name:?} then twin = {twin}\n");
-                assert!(script.contains(&binding), "{kind} in {layout:?}: {binding}");
+                assert!(
+                    script.contains(&binding),
+                    "{algorithm} in {layout:?}: {binding}"
+                );
             }
         }
-        // One twin per kind, and the fixed window's again in the reference's layout.
+        // One twin per algorithm, and the fixed window's again in the reference's layout.
         let mut names: Vec<&str> = bindings().iter().map(|(name, ..)| *name).collect();
         assert!(names.contains(&"fixed_window_reference"));
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
+        assert_eq!(names.len(), Algorithm::ALL.len() + 1, "{names:?}");
         assert!(script.ends_with(&format!("{}-- driver", LOOKUP[1])));
     }
 
@@ -185,10 +192,10 @@ mod tests {
 
     #[test]
     fn no_twin_names_the_table_binding_them() {
-        for kind in Kind::ALL {
+        for algorithm in Algorithm::ALL {
             assert!(
-                !kind.lua().contains("ALGORITHMS"),
-                "{kind} names ALGORITHMS"
+                !algorithm.lua().contains("ALGORITHMS"),
+                "{algorithm} names ALGORITHMS"
             );
         }
     }
