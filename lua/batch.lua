@@ -15,18 +15,18 @@
 --   4. the number of runs, a run being requests in a row alike in mode and hits (most of
 --   a call's requests make one run), then per run:
 --   - its shape: its mode's letter ('a' atomic, 'e' each, 'c' check, 'r' refund), then per
---     hit ' <spec index, from 1>:<cost>', plus 'L' when the hit carries a lease, then
+--     hit ' <spec index, from 1>:<cost>', plus 'P' when the hit carries a permit, then
 --     '*<how many requests the run holds>'; read once per call however often it recurs;
 --   - then its requests' tickets, in one value: per request, in order, 28 characters, its
 --     nonce (12 alphanumerics) then its deadline (16 digits; all zeros: none), read only
 --     where needed (the nonce names sliding-window entries and spreads expiries, the
 --     deadline matters to a call started late);
---   - then per request of the run, per hit, in order, its lease if it carries one ('+<id>'
+--   - then per request of the run, per hit, in order, its permit if it carries one ('+<id>'
 --     taken, '-<id>' given back: concurrency limits only), and in a refund the stamp the
 --     charging call replied (most runs: nothing).
 --   Every value a call carries costs Redis about as much as a small decision's Lua, so what
 --   requests share travels in text they share, once per run, and their tickets together.
--- A lease given back always applies: its request is over. A refund passes every hit of the
+-- A permit given back always applies: its request is over. A refund passes every hit of the
 -- charging call, in the same order (members are named after their index), with cost 0 for
 -- the hits that were not charged. The call's layout is checked before anything is written.
 --
@@ -139,8 +139,8 @@ end
 -- requests share, as one flat table (a table per field, or a function to read it, would cost
 -- more): its mode's letter, hit count, how many values follow each ticket and how many
 -- requests the run holds, then per hit its spec, cost and cost's text; and, only where some
--- hit has one, where each hit's lease (`lease`) and stamp (`stamp`) are among those values
--- (nil: none). The commonest shape, one hit without a lease outside a refund, is read by one
+-- hit has one, where each hit's permit (`permit`) and stamp (`stamp`) are among those values
+-- (nil: none). The commonest shape, one hit without a permit outside a refund, is read by one
 -- match; where that hit costs something and its requests charge (atomic or each), the shape
 -- names the hit's spec as `quick`. A shape is kept only once it is checked whole.
 local shapes = known.shapes
@@ -162,14 +162,14 @@ for _ = 1, runs do
       letter = match(text, '^[aecr]')
       size = match(text, '%*(%d+)$')
       sh = { letter, 0, 0 }
-      local leases, stamps, count, extras, length = {}, {}, 0, 0, 1
-      for hit, index, cost, leased in gmatch(text, '( (%d+):(%d+)(L?))') do
+      local permits, stamps, count, extras, length = {}, {}, 0, 0, 1
+      for hit, index, cost, has_permit in gmatch(text, '( (%d+):(%d+)(P?))') do
         count, length = count + 1, length + #hit
         sh[3 * count + 1] = specs[numbers[index] or number(index)] or false
         sh[3 * count + 2], sh[3 * count + 3] = numbers[cost] or number(cost), cost
-        if leased == 'L' then
+        if has_permit == 'P' then
           extras = extras + 1
-          leases[count], sh.lease = extras, leases
+          permits[count], sh.permit = extras, permits
         end
         if letter == 'r' then
           extras = extras + 1
@@ -218,10 +218,10 @@ local function load(sh, i, at, key, tickets, o)
     h = {}
     hits[i] = h
   end
-  local leases, j = sh.lease, 3 * i
+  local permits, j = sh.permit, 3 * i
   h.key, h.spec, h.cost, h.cost_text, h.index = KEYS[key + i], sh[j + 1], sh[j + 2],
     sh[j + 3], i
-  h.lease = leases and leases[i] and ARGV[at + leases[i]] or '0'
+  h.permit = permits and permits[i] and ARGV[at + permits[i]] or '0'
   if h.spec.twin.named then
     h.nonce = sub(tickets, o + 1, o + NONCE)
   end
@@ -229,7 +229,7 @@ local function load(sh, i, at, key, tickets, o)
 end
 
 -- Each request is decided here, inline: a function call per request costs more. A hit that
--- costs something and holds no lease goes to its twin's `take` where it has one, given its
+-- costs something and holds no permit goes to its twin's `take` where it has one, given its
 -- values as they are: no table is filled for it unless the twin declines it (returns
 -- nothing) or its charge is undone. A `quick` request, most of a busy call's, is its one
 -- hit's `take` (or check, then commit if admitted) and nothing more: the hit is charged
@@ -289,19 +289,19 @@ for _ = 1, runs do
     else
       local with_stamps = mode == 'e'
       local charges, enforced_refused, quota_seen, quota_admitted = 0, false, false, false
-      local leases = sh.lease
+      local permits = sh.permit
       for i = 1, count do
         local j = 3 * i
         local s, cost = sh[j + 1], sh[j + 2]
-        local leased, take, admitted, remaining, reset, stamp, took = leases and leases[i], s.take
-        if take and cost > 0 and not leased then
+        local has_permit, take, admitted, remaining, reset, stamp, took = permits and permits[i], s.take
+        if take and cost > 0 and not has_permit then
           admitted, remaining, reset, stamp = take(s, KEYS[key + i], cost, sh[j + 3], tickets, o)
           took = admitted
         end
         if admitted == nil then
           local h, twin = load(sh, i, at, key, tickets, o), s.twin
           admitted, remaining, reset, stamp = twin.check(s, h, now)
-          if leased and byte(h.lease) == GIVE then
+          if has_permit and byte(h.permit) == GIVE then
             twin.commit(s, h, now, tickets, o)
           elseif admitted and cost > 0 then
             twin.commit(s, h, now, tickets, o)

@@ -28,7 +28,7 @@ use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::decision::limit::{Algorithm, Limit, Unit};
-use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::decision::{Charging, Hit, Outcome, PermitOp, Role};
 
 /// Sequences per run, and most steps per sequence (each draws its length up to it): ~2 500
 /// requests on each backend, a few seconds on a CI runner.
@@ -250,21 +250,25 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
     placed
         .into_iter()
         .map(|(limit, shard)| {
-            let lease = limit
+            let permit = limit
                 .algorithm
                 .in_flight()
                 .then(|| match (release, units) {
-                    (true, _) => Some((LeaseOp::Release, request_id.clone())),
+                    (true, _) => Some((PermitOp::Release, request_id.clone())),
                     (false, 0) => None,
-                    (false, _) => Some((LeaseOp::Acquire, request_id.clone())),
+                    (false, _) => Some((PermitOp::Acquire, request_id.clone())),
                 })
                 .flatten();
             Hit {
                 key: key(rule, &limit, shard),
                 limit,
-                hits: if release && lease.is_some() { 1 } else { units },
+                hits: if release && permit.is_some() {
+                    1
+                } else {
+                    units
+                },
                 role: rule.role,
-                lease,
+                permit,
             }
         })
         .collect()
@@ -334,7 +338,7 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
                     h.limit.burst,
                     h.role,
                     h.hits,
-                    h.lease,
+                    h.permit,
                     h.limit.algorithm,
                     o
                 );
@@ -386,45 +390,45 @@ async fn drifts_once_found_stay_fixed() {
     let cluster = RedisCluster::shared();
     let backends = backends(&server, &cluster, &alone).await;
     let five = limit(Algorithm::Concurrency, 5, 60, 5);
-    let lease = |key: &str, op, id: &str| Hit {
+    let permit = |key: &str, op, id: &str| Hit {
         key: key.into(),
         limit: five,
         hits: 1,
         role: Role::Enforce,
-        lease: Some((op, id.into())),
+        permit: Some((op, id.into())),
     };
     let read = |key: &str| Hit {
         hits: 0,
-        lease: None,
-        ..lease(key, LeaseOp::Acquire, "")
+        permit: None,
+        ..permit(key, PermitOp::Acquire, "")
     };
-    // A key in another Cluster slot than "lease-*", refusing everything.
+    // A key in another Cluster slot than "permit-*", refusing everything.
     let never = Hit {
         key: "never".into(),
         limit: limit(Algorithm::FixedWindow, 0, 60, 0),
         hits: 1,
         role: Role::Enforce,
-        lease: None,
+        permit: None,
     };
     assert_ne!(
-        Slot::for_key("{lease-b}"),
+        Slot::for_key("{permit-b}"),
         Slot::for_key("{never}"),
         "the refusal must come from another slot, so the Cluster reserves and refunds"
     );
-    let acquire = |key| lease(key, LeaseOp::Acquire, "r");
-    let release = |key| lease(key, LeaseOp::Release, "r");
+    let acquire = |key| permit(key, PermitOp::Acquire, "r");
+    let release = |key| permit(key, PermitOp::Release, "r");
     let rows: Vec<(&str, Vec<Request>, Outcome)> = vec![
         (
-            // seed 2487400033279472955: undoing the uncharged re-acquire put back the lease
+            // seed 2487400033279472955: undoing the uncharged re-acquire put back the permit
             // the release in the same request had given back.
-            "a lease given back in an uncharged request stays given back",
+            "a permit given back in an uncharged request stays given back",
             vec![
-                (vec![acquire("lease-a")], Charging::Atomic),
+                (vec![acquire("permit-a")], Charging::Atomic),
                 (
-                    vec![acquire("lease-a"), release("lease-a")],
+                    vec![acquire("permit-a"), release("permit-a")],
                     Charging::Nothing,
                 ),
-                (vec![read("lease-a")], Charging::Atomic),
+                (vec![read("permit-a")], Charging::Atomic),
             ],
             Outcome {
                 admitted: true,
@@ -433,13 +437,13 @@ async fn drifts_once_found_stay_fixed() {
             },
         ),
         (
-            // Found by mutation: the Cluster refund of a refused request removed a lease the
+            // Found by mutation: the Cluster refund of a refused request removed a permit the
             // request had held before it.
-            "a refused request refunds a lease it already held by keeping it",
+            "a refused request refunds a permit it already held by keeping it",
             vec![
-                (vec![acquire("lease-b")], Charging::Atomic),
-                (vec![acquire("lease-b"), never.clone()], Charging::Atomic),
-                (vec![read("lease-b")], Charging::Atomic),
+                (vec![acquire("permit-b")], Charging::Atomic),
+                (vec![acquire("permit-b"), never.clone()], Charging::Atomic),
+                (vec![read("permit-b")], Charging::Atomic),
             ],
             Outcome {
                 admitted: true,

@@ -16,7 +16,7 @@ use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::decision::deadline::Deadline;
 use turnstile::decision::limit::{Algorithm, Limit, Unit};
-use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::decision::{BackendError, Charging, Hit, Outcome, PermitOp, Role};
 
 const SEC: Duration = Duration::from_secs(1);
 const MINUTE_US: u64 = 60_000_000;
@@ -26,7 +26,7 @@ const FIVE_AN_HOUR: &str =
     "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
 
 /// The algorithms that count units over time (concurrency limits have tests of their own:
-/// their hits need a lease).
+/// their hits need a permit).
 const RATE_ALGORITHMS: [Algorithm; 3] = [
     Algorithm::FixedWindow,
     Algorithm::SlidingWindow,
@@ -76,7 +76,7 @@ fn hit(key: &str, limit: Limit, hits: u64) -> Hit {
         limit,
         hits,
         role: Role::Enforce,
-        lease: None,
+        permit: None,
     }
 }
 
@@ -697,11 +697,11 @@ async fn mixed_run(b: &RedisBackend) {
                 .collect();
             b.evaluate(&hits, Charging::Atomic).await.expect("evaluate");
         }
-        let lease = Hit {
-            lease: Some((LeaseOp::Acquire, format!("request-{n}"))),
-            ..hit("leases", limit(Algorithm::Concurrency, 3, Unit::Hour), 1)
+        let permit = Hit {
+            permit: Some((PermitOp::Acquire, format!("request-{n}"))),
+            ..hit("permits", limit(Algorithm::Concurrency, 3, Unit::Hour), 1)
         };
-        b.evaluate(&[lease], Charging::Atomic)
+        b.evaluate(&[permit], Charging::Atomic)
             .await
             .expect("evaluate");
     }
@@ -760,7 +760,7 @@ fn a_call_the_script_cannot_read_writes_nothing() {
         ("a ticket too long", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", long], Some("tickets")),
         ("a key too many", &["k1", "k2", "k3"], SPEC, &["2", good[0], good[1], "a 1:1*1", t2], Some("keys")),
         ("a value too many", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", t2, "+r"], Some("values")),
-        ("a lease missing", &two, SPEC, &["2", good[0], good[1], "a 1:1L*1", t2], Some("values")),
+        ("a permit missing", &two, SPEC, &["2", good[0], good[1], "a 1:1P*1", t2], Some("values")),
         ("a spec not ended", &two, "fixed_window 10 60 10 e", &["1", "a 1:1*2", both], Some("specs")),
         ("text after the specs", &two, "fixed_window 10 60 10 e;x", &["1", "a 1:1*2", both], Some("specs")),
         ("a spec short of a value", &two, "fixed_window 10 60 e;", &["1", "a 1:1*2", both], Some("specs")),
@@ -882,7 +882,7 @@ async fn every_key_expires() {
     mixed_run(&single(&server, "ttl:").await).await;
     let keys = server.keys("ttl:*");
     // 3 limits of each rate algorithm: fixed has one counter, sliding a log and a sum, bucket
-    // one; and the concurrency limit's set of leases.
+    // one; and the concurrency limit's set of permits.
     assert_eq!(keys.len(), 3 * 4 + 1, "{keys:?}");
     for key in keys {
         let ttl: i64 = server.query(&["PTTL", &key]);
@@ -2240,7 +2240,7 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     assert_eq!(
         call("r2", false).await,
         (Code::Ok, 0),
-        "a retry holds its own lease"
+        "a retry holds its own permit"
     );
     // The stream-done call of a request that was refused gives nothing back.
     assert_eq!(call("r4", true).await.0, Code::Ok);
@@ -2249,7 +2249,7 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     assert_eq!(call("r1", true).await, (Code::Ok, 1));
     assert_eq!(call("r5", false).await, (Code::Ok, 0));
     assert_eq!(call("r6", false).await.0, Code::OverLimit);
-    // Lost stream-done calls: the leases expire after the window (2 s).
+    // Lost stream-done calls: the permits expire after the window (2 s).
     sleep(Duration::from_millis(2_100)).await;
     assert_eq!(call("r6", false).await, (Code::Ok, 2));
     let keys = server.keys("*");

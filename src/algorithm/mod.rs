@@ -42,14 +42,14 @@ pub trait Arithmetic {
         None
     }
 
-    /// Whether it limits requests in flight (each holding a lease named by the descriptor's
+    /// Whether it limits requests in flight (each holding a permit named by the descriptor's
     /// last entry) rather than a rate.
     const IN_FLIGHT: bool = false;
 
     /// Decide whether `cost` fits, without changing anything.
     fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome;
 
-    /// Record a `cost` that `check` admitted at the same `now` (or a lease release, which
+    /// Record a `cost` that `check` admitted at the same `now` (or a permit release, which
     /// always applies).
     fn commit(state: &mut Self::State, limit: &Limit, now: Micros, cost: Cost<'_>);
 
@@ -57,7 +57,7 @@ pub trait Arithmetic {
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;
 
     /// The bytes the state holds on the heap, for a backend that caps the bytes of the state
-    /// it keeps: state that grows with admissions (a log, leases) counts, not only its key.
+    /// it keeps: state that grows with admissions (a log, permits) counts, not only its key.
     fn heap_bytes(_state: &Self::State) -> usize {
         0
     }

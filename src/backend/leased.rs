@@ -99,7 +99,7 @@ fn leasable(hits: &[Hit]) -> Option<&Hit> {
             if hit.limit.quota_lease > 1
                 && hit.role == Role::Enforce
                 && hit.hits > 0
-                && hit.lease.is_none() =>
+                && hit.permit.is_none() =>
         {
             Some(hit)
         }
@@ -165,7 +165,7 @@ mod tests {
                 limit,
                 hits: 1,
                 role: Role::Enforce,
-                lease: None,
+                permit: None,
             };
             let leased = &leased;
             async move {

@@ -7,7 +7,7 @@
 //! live keys and on their bytes bound memory whatever keys clients invent: a count alone
 //! would let long keys (a descriptor is up to a few KiB) cost a hundred times more. A key's
 //! bytes include its state's, which for a sliding window's log or a concurrency limit's
-//! leases grows with admissions.
+//! permits grows with admissions.
 //!
 //! A full shard makes room by eviction, as in-process limiters and caches do, instead of
 //! failing: a failure would be answered by the failure policy (by default an error, which
@@ -67,7 +67,7 @@ struct Entry {
     /// When a request last checked or charged it: what eviction keeps.
     used_at: Micros,
     /// The bytes it is accounted as of its last commit: its key's and what its state holds
-    /// on the heap (a sliding window's log, a concurrency limit's leases), which grows with
+    /// on the heap (a sliding window's log, a concurrency limit's permits), which grows with
     /// admissions, so a cap on bytes must count it.
     bytes: usize,
 }
@@ -392,7 +392,7 @@ impl Backend for MemoryBackend {
 mod tests {
     use super::*;
     use crate::decision::limit::{Algorithm, Limit, Unit};
-    use crate::decision::{LeaseOp, Role};
+    use crate::decision::{PermitOp, Role};
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T0: Micros = 1_700_000_000_000_000;
@@ -403,7 +403,7 @@ mod tests {
             limit,
             hits: 1,
             role,
-            lease: None,
+            permit: None,
         }
     }
 
@@ -457,11 +457,11 @@ mod tests {
                 algorithm,
                 ..Limit::fixed(1, Unit::Second)
             };
-            // Each call is a request of its own (for a concurrency limit, its own lease).
+            // Each call is a request of its own (for a concurrency limit, its own permit).
             let run = |now: Micros| {
                 let h = Hit {
-                    lease: (algorithm == Algorithm::Concurrency)
-                        .then(|| (LeaseOp::Acquire, format!("request-{now}"))),
+                    permit: (algorithm == Algorithm::Concurrency)
+                        .then(|| (PermitOp::Acquire, format!("request-{now}"))),
                     ..hit(algorithm.name(), limit, Role::Enforce)
                 };
                 b.evaluate_now(&[h], Charging::Atomic, now)
@@ -646,7 +646,7 @@ mod tests {
     #[test]
     fn state_that_grows_with_admissions_counts_against_the_byte_cap() {
         // 64 KiB over 64 shards: 1 KiB each. 200 short keys, each admitted 100 times: a
-        // sliding window's log then holds 100 entries, a concurrency limit 100 leases of
+        // sliding window's log then holds 100 entries, a concurrency limit 100 permits of
         // 32-byte names, more than a shard's share either way. Counted by their keys alone
         // all 200 would stay (some 40 KiB); counted with their state, each shard keeps only
         // its latest key, whose own count is intact.
@@ -663,7 +663,7 @@ mod tests {
                 hit(key, limit, Role::Enforce)
             }),
             (Algorithm::Concurrency, |key, limit, n| Hit {
-                lease: Some((LeaseOp::Acquire, format!("{n:032}"))),
+                permit: Some((PermitOp::Acquire, format!("{n:032}"))),
                 ..hit(key, limit, Role::Enforce)
             }),
         ];

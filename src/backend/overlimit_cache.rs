@@ -11,7 +11,7 @@
 //! backend is failing: a certain refusal must not turn into an error (which Envoy usually
 //! lets through). Its other hits are not asked (a refused request charges nothing, so they
 //! are reported untouched: admitted, nothing known spent), except what must reach the backend
-//! whatever the verdict: leases given back, and under per-descriptor charging the other hits'
+//! whatever the verdict: permits given back, and under per-descriptor charging the other hits'
 //! charges. If that call fails, the refusal still stands.
 
 use std::collections::HashMap;
@@ -49,7 +49,7 @@ pub struct OverLimitCache<B> {
 }
 
 /// Refusals that hold until their reset: enforced, charging hits; not concurrency limits,
-/// whose leases can come back at any moment.
+/// whose permits can come back at any moment.
 fn cacheable(hit: &Hit) -> bool {
     hit.role == Role::Enforce && hit.hits > 0 && !hit.limit.algorithm.in_flight()
 }
@@ -192,7 +192,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::LeaseOp;
+    use crate::decision::PermitOp;
     use crate::decision::limit::Unit;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -226,13 +226,13 @@ mod tests {
         }
     }
 
-    fn hit(key: &str, lease: Option<LeaseOp>) -> Hit {
+    fn hit(key: &str, permit: Option<PermitOp>) -> Hit {
         Hit {
             key: key.into(),
             limit: Limit::fixed(10, Unit::Hour),
             hits: 1,
             role: Role::Enforce,
-            lease: lease.map(|op| (op, "lease-1".into())),
+            permit: permit.map(|op| (op, "permit-1".into())),
         }
     }
 
@@ -242,20 +242,20 @@ mod tests {
     async fn a_cached_refusal_refuses_at_once_and_sends_only_what_must_be_applied() {
         let untouched = 10;
         let from_backend = 5;
-        // charging, the other hit's lease, backend down, other asked, its remaining
+        // charging, the other hit's permit, backend down, other asked, its remaining
         let rows = [
             (Charging::Atomic, None, false, false, untouched),
             (Charging::Atomic, None, true, false, untouched),
             (
                 Charging::Atomic,
-                Some(LeaseOp::Release),
+                Some(PermitOp::Release),
                 false,
                 true,
                 from_backend,
             ),
             (
                 Charging::Atomic,
-                Some(LeaseOp::Release),
+                Some(PermitOp::Release),
                 true,
                 true,
                 untouched,
@@ -263,7 +263,7 @@ mod tests {
             (Charging::PerDescriptor, None, false, true, from_backend),
             (Charging::PerDescriptor, None, true, true, untouched),
         ];
-        for (charging, lease, down, asked, remaining) in rows {
+        for (charging, permit, down, asked, remaining) in rows {
             let fake = Arc::new(Fake::default());
             let cache = OverLimitCache::new(fake.clone(), 100, Arc::new(Metrics::new(0.8, 10)));
             let hot = hit("hot", None);
@@ -272,9 +272,9 @@ mod tests {
             fake.asked.lock().unwrap().clear();
             fake.down.store(down, Ordering::SeqCst);
 
-            let row = format!("{charging:?} lease {lease:?} down {down}");
+            let row = format!("{charging:?} permit {permit:?} down {down}");
             let outcomes = cache
-                .evaluate(&[hit("other", lease), hot], charging)
+                .evaluate(&[hit("other", permit), hot], charging)
                 .await
                 .unwrap_or_else(|e| panic!("{row}: {e}"));
             assert!(!outcomes[1].admitted, "{row}: refused by the cache");

@@ -174,7 +174,7 @@ impl Check<'_> {
                 }
                 let in_flight = |l: &Limit| l.algorithm.in_flight();
                 if rule.limit.iter().chain(&rule.also).any(in_flight) {
-                    // The last entry names the request (its lease); the limit counts per the
+                    // The last entry names the request (its permit); the limit counts per the
                     // entries before it, so that value is left out of the state's key.
                     if shared.len() < 2 {
                         self.error(

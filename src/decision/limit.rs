@@ -122,7 +122,7 @@ macro_rules! algorithms {
             /// GCRA: a token bucket stored as one theoretical arrival time; `burst` back to
             /// back, then the steady rate.
             TokenBucket token_bucket,
-            /// At most `requests_per_unit` requests in flight; each lease lasts at most one
+            /// At most `requests_per_unit` requests in flight; each permit lasts at most one
             /// window.
             Concurrency concurrency,
         }
@@ -180,7 +180,7 @@ pub struct Limit {
     pub window: u64,
     /// Units an instance takes from a shared backend per round trip and spends locally
     /// (the rule's `lease`; 0 or 1: every hit asks the backend). Not a hit's concurrency
-    /// lease (`Hit::lease`), which is one request in flight.
+    /// permit (`Hit::permit`), which is one request in flight.
     pub quota_lease: u32,
 }
 

@@ -92,7 +92,7 @@ mod tests {
             limit: Limit::fixed(limit, Unit::Hour),
             hits: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         }
     }
 

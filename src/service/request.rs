@@ -64,7 +64,7 @@ pub struct Descriptor<'r> {
     pub limit_override: Option<Override>,
     /// Units this descriptor costs; 0 reads without charging.
     pub hits: u64,
-    /// Envoy's negative hits (`is_negative_hits`): a concurrency limit's lease is given back;
+    /// Envoy's negative hits (`is_negative_hits`): a concurrency limit's permit is given back;
     /// other limits only read.
     pub release: bool,
 }
@@ -173,7 +173,7 @@ impl<'r> Descriptor<'r> {
         };
         // A descriptor's own addend wins, including 0 ("check only"). Costs are capped at
         // u32::MAX: any larger cost is over every limit just the same. Negative hits (sent
-        // when a stream ends) charge nothing: they give back a concurrency lease, or read.
+        // when a stream ends) charge nothing: they give back a concurrency permit, or read.
         let hits = if descriptor.is_negative_hits {
             0
         } else {

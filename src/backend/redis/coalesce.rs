@@ -52,7 +52,7 @@ use crate::backend::lag::Lag;
 use crate::decision::BackendError;
 use crate::decision::deadline::Deadline;
 
-/// Most hits, and bytes of keys and leases, one call carries: a request with more goes alone.
+/// Most hits, and bytes of keys and permits, one call carries: a request with more goes alone.
 const MAX_CALL_HITS: usize = 256;
 const MAX_CALL_BYTES: usize = 64 << 10;
 /// A request with at most this many hits and bytes is light: sent ahead of the others.
@@ -454,7 +454,7 @@ mod tests {
             limit: Limit::fixed(10, Unit::Minute),
             hits: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         };
         let mut part = Part::new(Mode::Atomic, Nonce::new());
         for n in 0..hits {

@@ -19,7 +19,7 @@ use indexmap::IndexSet;
 use super::connect::Pool;
 use super::{KeyLayout, twins};
 use crate::algorithm::Micros;
-use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
+use crate::decision::{BackendError, Hit, Outcome, PermitOp, Role};
 
 /// The script text and its SHA-1, and the same as a function library, computed once.
 struct Batch {
@@ -163,12 +163,12 @@ struct Spec {
     role: &'static str,
 }
 
-/// One hit of a part: its spec, cost, lease (`+<id>` taken, `-<id>` given back) and, for a
+/// One hit of a part: its spec, cost, permit (`+<id>` taken, `-<id>` given back) and, for a
 /// refund, the stamp its charge replied.
 struct PartHit {
     spec: Spec,
     cost: u64,
-    lease: Option<String>,
+    permit: Option<String>,
     stamp: i64,
 }
 
@@ -178,7 +178,7 @@ pub(super) struct Part {
     nonce: Nonce,
     keys: Vec<String>,
     hits: Vec<PartHit>,
-    /// Its keys' and leases' bytes.
+    /// Its keys' and permits' bytes.
     bytes: usize,
 }
 
@@ -203,11 +203,11 @@ impl Part {
         layout: KeyLayout,
     ) {
         let limit = &hit.limit;
-        let lease = hit.lease.as_ref().map(|(op, id)| match op {
-            LeaseOp::Acquire => format!("+{id}"),
-            LeaseOp::Release => format!("-{id}"),
+        let permit = hit.permit.as_ref().map(|(op, id)| match op {
+            PermitOp::Acquire => format!("+{id}"),
+            PermitOp::Release => format!("-{id}"),
         });
-        self.bytes += key.len() + lease.as_ref().map_or(0, String::len);
+        self.bytes += key.len() + permit.as_ref().map_or(0, String::len);
         self.keys.push(key);
         self.hits.push(PartHit {
             spec: Spec {
@@ -218,7 +218,7 @@ impl Part {
                 role: role_letter(hit.role),
             },
             cost: hits,
-            lease,
+            permit,
             stamp: stamp.unwrap_or_default(),
         });
     }
@@ -228,7 +228,7 @@ impl Part {
         self.keys.len()
     }
 
-    /// How many bytes of keys and leases it carries.
+    /// How many bytes of keys and permits it carries.
     pub(super) fn bytes(&self) -> usize {
         self.bytes
     }
@@ -303,7 +303,7 @@ impl<'a> Call<'a> {
         cmd.arg(self.at.unwrap_or(0)).arg(self.earliest).arg(specs);
         // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
         // how many requests it holds, then its requests' tickets in one value, then each
-        // request's leases and (refund) stamps.
+        // request's permits and (refund) stamps.
         let mut runs: Vec<(String, &[(&Part, i64)])> = Vec::new();
         let (mut shape, mut start) = (String::new(), 0);
         let mut spec_of = self.spec_of.iter();
@@ -316,8 +316,8 @@ impl<'a> Call<'a> {
                 shape.push_str(digits.format(spec + 1));
                 shape.push(':');
                 shape.push_str(digits.format(hit.cost));
-                if hit.lease.is_some() {
-                    shape.push('L');
+                if hit.permit.is_some() {
+                    shape.push('P');
                 }
             }
             match runs.last_mut() {
@@ -345,8 +345,8 @@ impl<'a> Call<'a> {
             cmd.arg(&tickets);
             for (part, _) in parts {
                 for hit in &part.hits {
-                    if let Some(lease) = &hit.lease {
-                        cmd.arg(lease);
+                    if let Some(permit) = &hit.permit {
+                        cmd.arg(permit);
                     }
                     if part.mode == Mode::Refund {
                         cmd.arg(hit.stamp);
@@ -514,13 +514,13 @@ mod tests {
     use ::redis::Arg;
 
     /// Push an enforced hit of `limit` on `key` to `part`.
-    fn push(part: &mut Part, key: &str, limit: Limit, lease: Option<(LeaseOp, &str)>, cost: u64) {
+    fn push(part: &mut Part, key: &str, limit: Limit, permit: Option<(PermitOp, &str)>, cost: u64) {
         let hit = Hit {
             key: String::new(),
             limit,
             hits: cost,
             role: Role::Enforce,
-            lease: lease.map(|(op, id)| (op, id.into())),
+            permit: permit.map(|(op, id)| (op, id.into())),
         };
         let stamp = (part.mode == Mode::Refund).then_some(7);
         part.push(key.into(), &hit, cost, stamp, KeyLayout::Turnstile);
@@ -538,16 +538,28 @@ mod tests {
     #[test]
     fn a_call_sends_each_spec_and_each_run_shape_once_then_its_requests_tickets_together() {
         let minute = Limit::fixed(10, Unit::Minute);
-        let leased = Limit {
+        let with_permit = Limit {
             algorithm: Algorithm::Concurrency,
             ..minute
         };
         let mut first = Part::new(Mode::Atomic, Nonce(*b"nonce0000001"));
         push(&mut first, "a", minute, None, 1);
-        push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
+        push(
+            &mut first,
+            "b",
+            with_permit,
+            Some((PermitOp::Acquire, "r")),
+            1,
+        );
         let mut second = Part::new(Mode::Refund, Nonce(*b"nonce0000002"));
         push(&mut second, "c", minute, None, 0);
-        push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
+        push(
+            &mut second,
+            "d",
+            with_permit,
+            Some((PermitOp::Release, "r")),
+            2,
+        );
         let call = Call::new(
             vec![(&first, 0), (&first, 4), (&second, 5), (&first, 3)],
             None,
@@ -556,13 +568,13 @@ mod tests {
             "EVALSHA sha 8 a b a b c d a b",
             // Redis time, the earliest deadline, two specs in one value.
             "0|3|fixed_window 10 60 10 e;concurrency 10 60 10 e;",
-            // Three runs of requests alike: the shape (mode, then spec:cost per hit, L for a
-            // lease, then how many requests in a row share it), then the requests' tickets
-            // (nonce and deadline, 28 characters each), then per request its leases and, in
+            // Three runs of requests alike: the shape (mode, then spec:cost per hit, P for a
+            // permit, then how many requests in a row share it), then the requests' tickets
+            // (nonce and deadline, 28 characters each), then per request its permits and, in
             // a refund, its stamps.
-            "3|a 1:1 2:1L*2|nonce00000010000000000000000nonce00000010000000000000004|+r|+r",
-            "r 1:0 2:2L*1|nonce00000020000000000000005|7|-r|7",
-            "a 1:1 2:1L*1|nonce00000010000000000000003|+r",
+            "3|a 1:1 2:1P*2|nonce00000010000000000000000nonce00000010000000000000004|+r|+r",
+            "r 1:0 2:2P*1|nonce00000020000000000000005|7|-r|7",
+            "a 1:1 2:1P*1|nonce00000010000000000000003|+r",
         ];
         let expected: Vec<&str> = expected
             .iter()
@@ -573,7 +585,7 @@ mod tests {
         let mut same = Part::new(Mode::Atomic, Nonce(*b"nonce0000003"));
         push(&mut same, "e", minute, None, 1);
         push(&mut same, "f", minute, None, 2);
-        push(&mut same, "g", leased, None, 1);
+        push(&mut same, "g", with_permit, None, 1);
         push(&mut same, "h", minute, None, 1);
         let call = Call::new(vec![(&same, 0), (&same, 0)], None);
         assert_eq!(

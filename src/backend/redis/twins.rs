@@ -3,14 +3,14 @@
 //!
 //! A twin (`Algorithm::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
 //! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
-//! burst and role one or more hits share) and a hit `h` (its key, cost, lease and index, and
+//! burst and role one or more hits share) and a hit `h` (its key, cost, permit and index, and
 //! the request's nonce if the twin's table says `named = true`: splitting it off costs), and
 //! every verdict is four values: admitted, remaining, reset (us) and stamp.
 //! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
 //! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
 //! back in a later call (`commit` is also given its run's tickets and `o`, where the
 //! request's own starts: its first characters are random). An optional `take(s, key, cost,
-//! cost_text, tickets, o)` checks a hit that costs something and holds no lease, and
+//! cost_text, tickets, o)` checks a hit that costs something and holds no permit, and
 //! charges it if admitted, in fewer commands than check and commit; it gets the hit's
 //! values as arguments (no hit table is filled for it), may decline a hit by returning
 //! nothing (the driver then checks and commits it), and leaves nothing for `undo`, which
@@ -138,7 +138,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kind_and_layout_is_bound_under_the_name_calls_ask_for() {
+    fn every_algorithm_and_layout_is_bound_under_the_name_calls_ask_for() {
         let script = script("-- driver");
         for algorithm in Algorithm::ALL {
             for layout in KeyLayout::ALL {
