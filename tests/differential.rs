@@ -262,7 +262,7 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
             Hit {
                 key: key(rule, &limit, shard),
                 limit,
-                hits: if release && permit.is_some() {
+                units: if release && permit.is_some() {
                     1
                 } else {
                     units
@@ -337,7 +337,7 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
                     h.limit.window,
                     h.limit.burst,
                     h.role,
-                    h.hits,
+                    h.units,
                     h.permit,
                     h.limit.algorithm,
                     o
@@ -393,12 +393,12 @@ async fn drifts_once_found_stay_fixed() {
     let permit = |key: &str, op, id: &str| Hit {
         key: key.into(),
         limit: five,
-        hits: 1,
+        units: 1,
         role: Role::Enforce,
         permit: Some((op, id.into())),
     };
     let read = |key: &str| Hit {
-        hits: 0,
+        units: 0,
         permit: None,
         ..permit(key, PermitOp::Acquire, "")
     };
@@ -406,7 +406,7 @@ async fn drifts_once_found_stay_fixed() {
     let never = Hit {
         key: "never".into(),
         limit: limit(Algorithm::FixedWindow, 0, 60, 0),
-        hits: 1,
+        units: 1,
         role: Role::Enforce,
         permit: None,
     };

@@ -70,11 +70,11 @@ fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
     }
 }
 
-fn hit(key: &str, limit: Limit, hits: u64) -> Hit {
+fn hit(key: &str, limit: Limit, units: u64) -> Hit {
     Hit {
         key: key.into(),
         limit,
-        hits,
+        units,
         role: Role::Enforce,
         permit: None,
     }

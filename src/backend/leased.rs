@@ -60,10 +60,10 @@ impl<B: Backend> Leased<B> {
     fn spend(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
         let mut pools = self.pools();
         let pool = pools.by_key.get_mut(&hit.key)?;
-        if pool.limit != hit.limit || now >= pool.lapses || pool.units < hit.hits {
+        if pool.limit != hit.limit || now >= pool.lapses || pool.units < hit.units {
             return None;
         }
-        pool.units -= hit.hits;
+        pool.units -= hit.units;
         let outcome = Outcome {
             admitted: true,
             remaining: u32::try_from(pool.units).unwrap_or(u32::MAX),
@@ -98,7 +98,7 @@ fn leasable(hits: &[Hit]) -> Option<&Hit> {
         [hit]
             if hit.limit.quota_lease > 1
                 && hit.role == Role::Enforce
-                && hit.hits > 0
+                && hit.units > 0
                 && hit.permit.is_none() =>
         {
             Some(hit)
@@ -122,14 +122,14 @@ impl<B: Backend> Backend for Leased<B> {
             return Ok(vec![outcome]);
         }
         // Take a lease: the request's own units and the rest of the lease at once.
-        let lease = u64::from(hit.limit.quota_lease).max(hit.hits);
+        let lease = u64::from(hit.limit.quota_lease).max(hit.units);
         let taking = Hit {
-            hits: lease,
+            units: lease,
             ..hit.clone()
         };
         let granted = self.inner.evaluate(&[taking], charging).await?;
         if let Some(outcome) = granted.first().filter(|o| o.admitted) {
-            self.keep(hit, lease - hit.hits, outcome, now);
+            self.keep(hit, lease - hit.units, outcome, now);
             return Ok(granted);
         }
         // Less than a lease is left: ask for the request's own units only.
@@ -163,7 +163,7 @@ mod tests {
             let hit = Hit {
                 key: key.into(),
                 limit,
-                hits: 1,
+                units: 1,
                 role: Role::Enforce,
                 permit: None,
             };

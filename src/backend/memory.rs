@@ -283,7 +283,7 @@ impl MemoryBackend {
         charging: Charging,
         now: Micros,
     ) -> Result<Vec<Outcome>, BackendError> {
-        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
+        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.units > 0);
         // One hit (one descriptor, one limit) is the common call: it needs one shard and none
         // of the bookkeeping below, whose vectors were most of this step's allocations.
         if let [hit] = hits {
@@ -401,7 +401,7 @@ mod tests {
         Hit {
             key: key.into(),
             limit,
-            hits: 1,
+            units: 1,
             role,
             permit: None,
         }

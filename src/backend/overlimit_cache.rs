@@ -31,7 +31,7 @@ const SHARDS: usize = 16;
 struct Refusal {
     until: Instant,
     limit: Limit,
-    hits: u64,
+    units: u64,
 }
 
 #[derive(Default)]
@@ -51,7 +51,7 @@ pub struct OverLimitCache<B> {
 /// Refusals that hold until their reset: enforced, charging hits; not concurrency limits,
 /// whose permits can come back at any moment.
 fn cacheable(hit: &Hit) -> bool {
-    hit.role == Role::Enforce && hit.hits > 0 && !hit.limit.algorithm.in_flight()
+    hit.role == Role::Enforce && hit.units > 0 && !hit.limit.algorithm.in_flight()
 }
 
 /// A hit of a refused request that the backend was not asked about: it charged nothing, and
@@ -88,13 +88,13 @@ impl<B: Backend> OverLimitCache<B> {
             return None;
         }
         let refusal = *self.shard(&hit.key).by_key.get(&hit.key)?;
-        (now < refusal.until && refusal.limit == hit.limit && hit.hits >= refusal.hits).then(|| {
-            Outcome {
+        (now < refusal.until && refusal.limit == hit.limit && hit.units >= refusal.units).then(
+            || Outcome {
                 admitted: false,
                 remaining: 0,
                 reset_after: refusal.until - now,
-            }
-        })
+            },
+        )
     }
 
     fn remember(&self, hit: &Hit, outcome: &Outcome, now: Instant) {
@@ -108,7 +108,7 @@ impl<B: Backend> OverLimitCache<B> {
         let refusal = Refusal {
             until: now + outcome.reset_after,
             limit: hit.limit,
-            hits: hit.hits,
+            units: hit.units,
         };
         let mut shard = self.shard(&hit.key);
         let Shard { by_key, room } = &mut *shard;
@@ -230,7 +230,7 @@ mod tests {
         Hit {
             key: key.into(),
             limit: Limit::fixed(10, Unit::Hour),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
             permit: permit.map(|op| (op, "permit-1".into())),
         }

@@ -29,12 +29,12 @@ pub enum Role {
     Quota,
 }
 
-/// One descriptor's share of a request: `hits` units against `limit` on the state `key`.
+/// One descriptor's share of a request: `units` units against `limit` on the state `key`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hit {
     pub key: String,
     pub limit: Limit,
-    pub hits: u64,
+    pub units: u64,
     pub role: Role,
     /// For a concurrency limit: the request's permit, taken or given back.
     pub permit: Option<(PermitOp, String)>,
@@ -44,7 +44,7 @@ impl Hit {
     /// What the algorithm is asked.
     pub fn cost(&self) -> Cost<'_> {
         Cost {
-            units: self.hits,
+            units: self.units,
             permit: self.permit.as_ref().map(|(op, id)| (*op, id.as_str())),
         }
     }

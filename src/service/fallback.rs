@@ -90,7 +90,7 @@ mod tests {
         Hit {
             key: "k".into(),
             limit: Limit::fixed(limit, Unit::Hour),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
             permit: None,
         }

@@ -298,7 +298,7 @@ impl<'a> Plan<'a> {
         self.hits.push(Hit {
             key,
             limit,
-            hits: descriptor.hits,
+            units: descriptor.hits,
             role,
             permit: permit(descriptor, &limit),
         });

@@ -452,7 +452,7 @@ mod tests {
         let hit = Hit {
             key: String::new(),
             limit: Limit::fixed(10, Unit::Minute),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
             permit: None,
         };

@@ -380,7 +380,7 @@ impl RedisBackend {
         };
         let mut part = Part::new(mode, Nonce::new());
         for (key, hit) in keys.into_iter().zip(hits) {
-            part.push(key, hit, hit.hits, None, shared.key_layout);
+            part.push(key, hit, hit.units, None, shared.key_layout);
         }
         let slot = shared.slot(&part);
         let replies =

@@ -193,12 +193,12 @@ impl Part {
         }
     }
 
-    /// Add one hit costing `hits`; a refund passes the `stamp` its charge replied.
+    /// Add one hit costing `cost` units; a refund passes the `stamp` its charge replied.
     pub(super) fn push(
         &mut self,
         key: String,
         hit: &Hit,
-        hits: u64,
+        cost: u64,
         stamp: Option<i64>,
         layout: KeyLayout,
     ) {
@@ -217,7 +217,7 @@ impl Part {
                 burst: limit.burst,
                 role: role_letter(hit.role),
             },
-            cost: hits,
+            cost,
             permit,
             stamp: stamp.unwrap_or_default(),
         });
@@ -518,7 +518,7 @@ mod tests {
         let hit = Hit {
             key: String::new(),
             limit,
-            hits: cost,
+            units: cost,
             role: Role::Enforce,
             permit: permit.map(|(op, id)| (op, id.into())),
         };
