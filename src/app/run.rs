@@ -284,7 +284,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         over_limit_entries: args
             .local_cache_size_in_bytes
             .map_or(args.local_cache_entries, |bytes| bytes / 256),
-        lease_pools: MAX_LEASE_POOLS,
+        max_leases: MAX_LEASE_POOLS,
     };
     match backend {
         BackendKind::Memory => {

@@ -20,12 +20,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::decision::bounded::Room;
+use crate::decision::bounded::Capacity;
 use crate::decision::limit::Limit;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::ops::metrics::Metrics;
 
-const SHARDS: usize = 16;
+const STRIPES: usize = 16;
 
 #[derive(Clone, Copy)]
 struct Refusal {
@@ -34,17 +34,18 @@ struct Refusal {
     units: u64,
 }
 
+/// One stripe of the cache: its refusals by key, behind their own lock.
 #[derive(Default)]
-struct Shard {
+struct Refusals {
     by_key: HashMap<String, Refusal>,
-    room: Room,
+    capacity: Capacity,
 }
 
 pub struct OverLimitCache<B> {
     inner: B,
-    shards: Vec<Mutex<Shard>>,
+    stripes: Vec<Mutex<Refusals>>,
     hasher: RandomState,
-    max_per_shard: usize,
+    max_per_stripe: usize,
     metrics: Arc<Metrics>,
 }
 
@@ -69,25 +70,25 @@ impl<B: Backend> OverLimitCache<B> {
     pub fn new(inner: B, max_entries: usize, metrics: Arc<Metrics>) -> OverLimitCache<B> {
         OverLimitCache {
             inner,
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            stripes: (0..STRIPES).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
-            max_per_shard: max_entries.div_ceil(SHARDS),
+            max_per_stripe: max_entries.div_ceil(STRIPES),
             metrics,
         }
     }
 
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
-        self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    fn stripe(&self, key: &str) -> std::sync::MutexGuard<'_, Refusals> {
+        self.stripes[self.hasher.hash_one(key) as usize % STRIPES]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The cached refusal that applies to `hit` now, if any.
     fn cached(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
-        if self.max_per_shard == 0 || !cacheable(hit) {
+        if self.max_per_stripe == 0 || !cacheable(hit) {
             return None;
         }
-        let refusal = *self.shard(&hit.key).by_key.get(&hit.key)?;
+        let refusal = *self.stripe(&hit.key).by_key.get(&hit.key)?;
         (now < refusal.until && refusal.limit == hit.limit && hit.units >= refusal.units).then(
             || Outcome {
                 admitted: false,
@@ -98,7 +99,7 @@ impl<B: Backend> OverLimitCache<B> {
     }
 
     fn remember(&self, hit: &Hit, outcome: &Outcome, now: Instant) {
-        if self.max_per_shard == 0
+        if self.max_per_stripe == 0
             || outcome.admitted
             || !cacheable(hit)
             || outcome.reset_after.is_zero()
@@ -110,10 +111,10 @@ impl<B: Backend> OverLimitCache<B> {
             limit: hit.limit,
             units: hit.units,
         };
-        let mut shard = self.shard(&hit.key);
-        let Shard { by_key, room } = &mut *shard;
+        let mut stripe = self.stripe(&hit.key);
+        let Refusals { by_key, capacity } = &mut *stripe;
         let entry = (hit.key.clone(), refusal);
-        room.insert(by_key, self.max_per_shard, entry, now, |r| Some(r.until));
+        capacity.insert(by_key, self.max_per_stripe, entry, now, |r| Some(r.until));
     }
 }
 

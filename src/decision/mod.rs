@@ -98,7 +98,7 @@ pub enum Charging {
 }
 
 /// The answer on one hit, whoever gives it: an algorithm's arithmetic (before anything is
-/// written), a backend, a lease pool or the over-limit cache.
+/// written), a backend, a quota lease or the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     pub admitted: bool,
