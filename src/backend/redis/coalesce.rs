@@ -4,7 +4,7 @@
 //! finding the script, entering Lua, the reply; on this side a write, a read and a task)
 //! dwarfs one decision's: a call that decides many requests costs Redis a fraction of that
 //! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
-//! share a slot) of a runtime's connections (`home`: a serving thread's own, or the I/O
+//! share a slot) of a runtime's connections (`threads`: a serving thread's own, or the I/O
 //! thread's) has at most `connections` calls in flight; requests that arrive meanwhile
 //! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
 //! idle lane waits for no timer: its call starts once the thread serving gRPC that queued its
@@ -16,7 +16,7 @@
 //! is read. A call is timed from when it is written: [`BackendError::Timeout`] when Redis has
 //! not answered within the call timeout of that. A caller whose wait ran out while its
 //! request was still queued here gets [`BackendError::Late`] instead: the policy's answer,
-//! but no evidence against Redis (once written, the caller waits for the home runtime's
+//! but no evidence against Redis (once written, the caller waits for its runtime's
 //! verdict). A call whose timer ran out while that runtime itself was kept from running (a
 //! paused host, a machine short of CPU, a serving thread busy with a long request: Redis'
 //! answer may have waited for us) gets one more call timeout to be read, and is late, not
@@ -44,9 +44,9 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use super::Shared;
-use super::home::serving_thread;
 use super::mailbox::{Mailbox, Post, RequestAnswer};
 use super::script::{self, Call, Part, Reply};
+use super::threads::serving_thread;
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
 use crate::decision::BackendError;
@@ -75,7 +75,7 @@ pub(super) struct Lanes {
     single: Arc<Lane>,
     /// Made on first use; a Cluster has at most 16 384 slots.
     slots: Mutex<HashMap<Slot, Arc<Lane>>>,
-    /// How late the home runtime runs (made on it).
+    /// How late its runtime runs (made on it).
     pub(super) lag: Lag,
 }
 
@@ -191,7 +191,7 @@ pub(super) async fn call(
     let written = Arc::new(Mutex::new(None));
     let hits = part.len();
     let here = serving_thread();
-    let at_home = here.as_ref().is_some_and(|h| h.id() == shared.home.id());
+    let on_own = here.as_ref().is_some_and(|h| h.id() == shared.runtime.id());
     let request = Request {
         part,
         at,
@@ -200,7 +200,7 @@ pub(super) async fn call(
         written: Arc::clone(&written),
         answer,
         // Answered on this thread, a request needs no mailbox.
-        mailbox: if at_home { None } else { Mailbox::here() },
+        mailbox: if on_own { None } else { Mailbox::here() },
         retried: false,
     };
     let slot_free = {
@@ -234,14 +234,14 @@ pub(super) async fn call(
             tokio::task::yield_now().await;
             match reply.try_recv() {
                 Ok(answer) => answer,
-                // The home runtime did not time its own call: it could not run.
+                // Its runtime did not time its own call: it could not run.
                 Err(_) => Err(BackendError::Late),
             }
         }
     }
 }
 
-/// Start a call in `lane` (its call slot taken) on its home runtime: from a thread serving
+/// Start a call in `lane` (its call slot taken) on its own runtime: from a thread serving
 /// gRPC (`here`, a current-thread runtime), once that thread has run the tasks it already had
 /// (the rest of the requests it read with this one), elsewhere at once. Started at once, a
 /// call carried the request that found its lane idle alone, while that thread was still
@@ -249,10 +249,10 @@ pub(super) async fn call(
 /// in flight 60 % of calls were of one request. The wait is for no timer, only for work
 /// already on the thread, which the call's answers would have queued behind anyway.
 fn start(shared: &Arc<Shared>, lane: Arc<Lane>, here: Option<Handle>) {
-    let home = &shared.home;
+    let runtime = &shared.runtime;
     match here {
         // Its tasks run in turn: the call's goes after those already there.
-        Some(here) if here.id() == home.id() => {
+        Some(here) if here.id() == runtime.id() => {
             here.spawn(drive(Arc::clone(shared), lane));
         }
         // Run, or dropped unrun when its runtime shuts down, the task drops `start`.
@@ -261,19 +261,19 @@ fn start(shared: &Arc<Shared>, lane: Arc<Lane>, here: Option<Handle>) {
             here.spawn(async move { drop(start) });
         }
         None => {
-            home.spawn(drive(Arc::clone(shared), lane));
+            runtime.spawn(drive(Arc::clone(shared), lane));
         }
     }
 }
 
-/// A lane's call to start on its home runtime when this is dropped, however that happens.
+/// A lane's call to start on its own runtime when this is dropped, however that happens.
 struct Start(Option<(Arc<Shared>, Arc<Lane>)>);
 
 impl Drop for Start {
     fn drop(&mut self) {
         if let Some((shared, lane)) = self.0.take() {
-            let home = shared.home.clone();
-            home.spawn(drive(shared, lane));
+            let runtime = shared.runtime.clone();
+            runtime.spawn(drive(shared, lane));
         }
     }
 }

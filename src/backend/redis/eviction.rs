@@ -22,7 +22,7 @@ use std::time::Duration;
 use ::redis::{FromRedisValue, Value};
 
 use super::Shared;
-use super::home::io;
+use super::threads::io;
 use crate::ops::metrics::Metrics;
 
 /// 1 when every master evicts once full; 0 when one refuses writes then or has no bound; not

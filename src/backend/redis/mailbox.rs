@@ -1,7 +1,7 @@
 //! Answers go back to the thread that asked for them all at once, one wake-up per thread per
 //! call.
 //!
-//! A serving thread's calls go on its own connections (`home`), and their answers need no
+//! A serving thread's calls go on its own connections (`threads`), and their answers need no
 //! mailbox; but while those are being opened, its calls go on the I/O thread's, whose answers
 //! are given on that thread while each request's caller waits on the serving thread.
 //! Answered one by one, each answer wakes its serving thread (a system call), which runs
@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::runtime::Id;
 use tokio::sync::{Notify, oneshot};
 
-use super::home::{running, serving_thread};
 use super::script::Reply;
+use super::threads::{running, serving_thread};
 use crate::decision::BackendError;
 
 /// What a request waits for.

@@ -430,7 +430,7 @@ pub(super) struct Reply {
 }
 
 /// What the script answered to a call.
-pub(super) struct Answer {
+pub(super) struct ScriptReply {
     /// The script's time on Redis' clock, in microseconds.
     pub(super) redis_now: i64,
     /// Per part, in order: one reply per hit (none for a refund), or None for a decision that
@@ -441,7 +441,7 @@ pub(super) struct Answer {
 /// Decode the script's reply to `call`: per part, when decided, per hit its remaining
 /// (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp; a nil alone
 /// for a part past its deadline; nothing for a refund; then the time that ends them.
-pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, BackendError> {
+pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<ScriptReply, BackendError> {
     let malformed = || {
         BackendError::Unavailable(format!(
             "the Redis script replied {} values for {} requests",
@@ -479,7 +479,7 @@ pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, Bac
     if !rest.is_empty() {
         return Err(malformed());
     }
-    Ok(Answer { redis_now, replies })
+    Ok(ScriptReply { redis_now, replies })
 }
 
 /// A decided part's replies, `per_hit` values each; None if one is nil.

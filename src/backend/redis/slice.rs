@@ -9,7 +9,7 @@
 //! is unchanged (that is its weight, its nice value). With a 100 µs slice, on 2 CPUs shared
 //! with Redis and the load generator, decisions/s rose by 3 to 8 % (BENCHMARKS.md). That was
 //! when the thread carried every call; it now carries those of callers off a serving thread,
-//! and a serving thread's until that thread's own connections are open (`home`).
+//! and a serving thread's until that thread's own connections are open (`threads`).
 //!
 //! Linux 6.12 and later take a slice for ordinary threads (`sched_setattr`'s
 //! `sched_runtime`, 0.1 to 100 ms, no privilege needed); earlier kernels ignore it, and other
@@ -18,11 +18,11 @@
 use std::io;
 use std::time::Duration;
 
-use super::home;
+use super::threads;
 
 /// Give the I/O thread `slice` (from the thread itself, by a task it runs).
 pub(super) fn give_io_thread(slice: Duration) {
-    home::io().spawn(async move {
+    threads::io().spawn(async move {
         if let Err(error) = set_for_this_thread(slice) {
             tracing::debug!(%error, ?slice, "the kernel took no slice for the Redis I/O thread");
         }
