@@ -98,7 +98,7 @@ impl Job {
         let calls = self.groups.iter().map(|group| {
             let mode = match self.charging {
                 Charging::Nothing => Mode::Check,
-                Charging::Atomic | Charging::PerDescriptor => Mode::Each,
+                Charging::Atomic | Charging::PerDescriptor => Mode::PerDescriptor,
             };
             let mut part = Part::new(mode, self.nonce);
             for &i in group {

@@ -375,7 +375,7 @@ impl RedisBackend {
         }
         let mode = match charging {
             Charging::Atomic => Mode::Atomic,
-            Charging::PerDescriptor => Mode::Each,
+            Charging::PerDescriptor => Mode::PerDescriptor,
             Charging::Nothing => Mode::Check,
         };
         let mut part = Part::new(mode, Nonce::new());

@@ -37,8 +37,7 @@ static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
     let function = format!("turnstile_batch_{sha1}");
     Batch {
-        library: twins::library(driver, &function)
-            .expect("lua/batch.lua has the line that opens each call"),
+        library: twins::library(driver, &function),
         source,
         sha1,
         function,
@@ -109,10 +108,10 @@ pub(super) enum Mode {
     /// Charge the admitted hits only if the request passes.
     Atomic,
     /// Charge every admitted hit.
-    Each,
+    PerDescriptor,
     /// Charge nothing.
     Check,
-    /// Undo an `Each` call with the same nonce.
+    /// Undo a `PerDescriptor` call with the same nonce.
     Refund,
 }
 
@@ -121,7 +120,7 @@ impl Mode {
     fn letter(self) -> char {
         match self {
             Mode::Atomic => 'a',
-            Mode::Each => 'e',
+            Mode::PerDescriptor => 'p',
             Mode::Check => 'c',
             Mode::Refund => 'r',
         }
@@ -422,7 +421,7 @@ fn no_functions(err: &RedisError) -> bool {
     }
 }
 
-/// One hit's answer: the verdict and, from an `Each` call, where its charge went (for a
+/// One hit's answer: the verdict and, from a `PerDescriptor` call, where its charge went (for a
 /// refund; 0 from other calls).
 pub(super) struct Reply {
     pub(super) outcome: Outcome,
@@ -439,7 +438,7 @@ pub(super) struct ScriptReply {
 }
 
 /// Decode the script's reply to `call`: per part, when decided, per hit its remaining
-/// (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp; a nil alone
+/// (`-1 - remaining` if refused), its reset and, from a `PerDescriptor` part, its stamp; a nil alone
 /// for a part past its deadline; nothing for a refund; then the time that ends them.
 pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<ScriptReply, BackendError> {
     let malformed = || {
@@ -458,7 +457,7 @@ pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<ScriptReply
                 replies.push(Some(Vec::new()));
                 continue;
             }
-            Mode::Each => 3,
+            Mode::PerDescriptor => 3,
             Mode::Atomic | Mode::Check => 2,
         };
         if part.len() > 0
@@ -613,7 +612,11 @@ mod tests {
             push(&mut part, "b", minute, None, 1);
             part
         };
-        let (atomic, each, refund) = (part(Mode::Atomic), part(Mode::Each), part(Mode::Refund));
+        let (atomic, each, refund) = (
+            part(Mode::Atomic),
+            part(Mode::PerDescriptor),
+            part(Mode::Refund),
+        );
         let call = Call::new(
             vec![(&atomic, 0), (&each, 0), (&refund, 0), (&atomic, 9)],
             None,

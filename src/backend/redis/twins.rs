@@ -1,43 +1,22 @@
 //! The batch script's algorithms: each algorithm's Lua twin, bound to the name the Rust side
-//! calls it by.
+//! calls it by, and the script and function library made of them and `lua/batch.lua`.
 //!
-//! A twin (`Algorithm::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
-//! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
-//! burst and role one or more hits share) and a hit `h` (its key, cost, permit and index, and
-//! the request's nonce if the twin's table says `named = true`: splitting it off costs), and
-//! every verdict is four values: admitted, remaining, reset (us) and stamp.
-//! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
-//! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
-//! back in a later call (`commit` is also given its run's tickets and `o`, where the
-//! request's own starts: its first characters are random). An optional `take(s, key, cost,
-//! cost_text, tickets, o)` checks a hit that costs something and holds no permit, and
-//! charges it if admitted, in fewer commands than check and commit; it gets the hit's
-//! values as arguments (no hit table is filled for it), may decline a hit by returning
-//! nothing (the driver then checks and commits it), and leaves nothing for `undo`, which
-//! gets the hit in `h` like the others. An optional `finish()` runs once at the end of
-//! every call that made the twin: a write the twin deferred within the call (the fixed
-//! window pays a run of charges on one counter in one `INCRBY`) is made by then; and an
-//! optional `begin()` at the start of every call that finds the twin made: a twin kept
-//! from an earlier call (a function library keeps them, below) forgets what that call
-//! left, even one an error ended. A twin keeps in `s` and `h` what its own functions need
-//! later; the driver never reads it.
+//! A twin (`Algorithm::lua`, the file `lua/<name>.lua`) is a chunk that, given its key
+//! layout, returns its table of functions over a spec `s` (what hits of one limit share) and
+//! a hit `h`; every verdict is four values: admitted, remaining, reset (us) and stamp.
+//! `prepare(s, now)` works out what the spec's hits share in this call; `check` decides;
+//! `commit`, `undo` and `refund` charge, take back within the call, and give back in a
+//! later call. Optional: `take` checks and charges a hit without a permit in fewer commands
+//! (returning nothing declines it), `begin` and `finish` run at the start and end of every
+//! call that made the twin. A twin keeps in `s` and `h` what its own functions need; the
+//! driver never reads it.
 //!
-//! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
-//! and `algorithm` function exist (so a twin cannot register itself, under its own name or
-//! another), and bound once per layout it serves under `KeyLayout::script_name`, the very
-//! name a call asks for. A call makes only the twins its hits use (`algorithm(name)` makes
-//! one, the first time a call asks for it), which costs less than making them all; a name
-//! nothing is bound to, or a twin that returns no table, is an error naming it. The binding
-//! is code, not a table of twins: a script runs afresh on every call, and every table it
-//! builds is work for Redis' Lua.
-//!
-//! The same text goes to Redis two ways (`script`, `library`). As a script (`EVALSHA`) all of
-//! it runs on every call: the twins are made anew each time, a closure per function, about a
-//! sixth of what a call of one request costs Redis. As a function library (Redis 7's
-//! `FUNCTION LOAD`, then `FCALL`) the driver from its line [`EACH_CALL`] on is the library's
-//! one function, and what comes before it (the twins, `ALGORITHMS`, and the driver's own
-//! first part: what it keeps of the specs and shapes calls send) outlives the call: a twin is
-//! made by the first call that asks for it and kept until the library is loaded again.
+//! Each twin is wrapped in a function defined before the driver's `ALGORITHMS` table (so a
+//! twin cannot register itself) and bound, as code rather than a table, under
+//! `KeyLayout::script_name`; a call makes only the twins its hits use. As a script
+//! (`EVALSHA`) all of it runs on every call; as a function library (`FCALL`) only the
+//! driver's `batch` does, and the twins made by earlier calls are kept (measured in
+//! BENCHMARKS.md).
 
 use std::fmt::Write;
 
@@ -89,31 +68,25 @@ fn bind(n: usize, name: &str, algorithm: Algorithm, layout: KeyLayout) -> String
     format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
-/// The comment that opens the driver's part run on each call. A function library runs what
-/// is above it once, when loaded, where Redis lets code reach neither `redis` nor Lua's
-/// libraries (`string`, `table`): only plain values and tables can be made there.
-pub(super) const EACH_CALL: &str = "-- Each call:";
-
-/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
+/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`,
+/// whose function `batch` is called with the call's keys and values.
 pub(super) fn script(driver: &str) -> String {
     let mut source = twins();
     source.push_str(driver);
+    source.push_str("\nreturn batch(KEYS, ARGV)\n");
     source
 }
 
-/// The batch script as a function library named `name` (its one function has the same name):
-/// the twins, `ALGORITHMS` and the driver's part above [`EACH_CALL`], kept between calls, then
-/// the rest of `driver` as the function, given the call's keys and values under the names a
-/// script knows them by. None if `driver` has no such line.
-pub(super) fn library(driver: &str, name: &str) -> Option<String> {
-    let (kept, each_call) = driver.split_at(driver.find(EACH_CALL)?);
+/// The batch script as a function library named `name`: the twins, `ALGORITHMS` and the
+/// driver, kept between calls, with the driver's `batch` as its one function, of that name.
+/// Code outside `batch` runs once, at load, where Redis lets it reach neither `redis` nor
+/// Lua's libraries (`string`, `table`): only plain values and tables can be made there.
+pub(super) fn library(driver: &str, name: &str) -> String {
     let mut source = format!("#!lua name={name}\n");
     source.push_str(&twins());
-    source.push_str(kept);
-    source.push_str("local function batch(KEYS, ARGV)\n");
-    source.push_str(each_call);
-    let _ = writeln!(source, "end\nredis.register_function('{name}', batch)");
-    Some(source)
+    source.push_str(driver);
+    let _ = writeln!(source, "\nredis.register_function('{name}', batch)");
+    source
 }
 
 /// The twins, each in a function, and the `ALGORITHMS` table and `algorithm` function that
@@ -161,32 +134,23 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Algorithm::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with(&format!("{}-- driver", LOOKUP[1])));
+        assert!(script.ends_with(&format!(
+            "{}-- driver\nreturn batch(KEYS, ARGV)\n",
+            LOOKUP[1]
+        )));
     }
 
     #[test]
-    fn the_library_is_the_script_with_its_driver_from_each_call_on_as_the_one_function() {
-        let driver = format!("-- kept\n{EACH_CALL}-- driver\n");
-        let (script, library) = (script(&driver), library(&driver, "lib_1"));
-        let twins = script.strip_suffix(&driver).unwrap();
-        let wrapped = format!("local function batch(KEYS, ARGV)\n{EACH_CALL}-- driver\nend\n");
-        let register = "redis.register_function('lib_1', batch)\n";
+    fn the_script_calls_the_drivers_batch_and_the_library_registers_it() {
+        let driver = "-- driver\n";
+        let (script, library) = (script(driver), library(driver, "lib_1"));
+        let twins = script
+            .strip_suffix("-- driver\n\nreturn batch(KEYS, ARGV)\n")
+            .unwrap();
+        let register = "\nredis.register_function('lib_1', batch)\n";
         assert_eq!(
-            library.as_deref(),
-            Some(&*format!(
-                "#!lua name=lib_1\n{twins}-- kept\n{wrapped}{register}"
-            ))
-        );
-        assert_eq!(
-            super::library("-- driver\n", "lib_1"),
-            None,
-            "no line opens each call"
-        );
-        let batch = include_str!("../../../lua/batch.lua");
-        assert_eq!(
-            batch.matches(EACH_CALL).count(),
-            1,
-            "batch.lua opens each call once"
+            library,
+            format!("#!lua name=lib_1\n{twins}-- driver\n{register}")
         );
     }
 
