@@ -116,7 +116,7 @@ async fn settled(
     let newest = server.clients().iter().map(|c| c.0).max().unwrap_or(0);
     let outcome = one(backend, hit).await;
     let read = Hit {
-        hits: 0,
+        units: 0,
         ..hit.clone()
     };
     let deadline = Instant::now() + Duration::from_secs(5);
