@@ -1,35 +1,15 @@
 //! `ShouldRateLimit` at the gRPC edge: the request's one message read from its HTTP/2 body,
 //! decided by [`RateLimiter::check`], and the answer framed, by a tower layer in front of
-//! tonic's router.
+//! tonic's router, which still serves every other method (health, RLQS).
 //!
-//! Why not tonic's generated service: every call is one small unary message, and on the
-//! memory backend the decision costs a fraction of what tonic's general path around it does
-//! (a router lookup, a streaming decoder, an encoder body with its trailers built from a
-//! `Status`, a timer per call). Here a call reads one frame, decodes it, and answers with a
-//! body that is the message and then `grpc-status: 0`. Every other method (health, RLQS)
-//! still goes to tonic.
-//!
-//! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout` or the
-//! request timeout, whichever is shorter, taken when the call arrives. A body that has not arrived by then is
-//! answered DEADLINE_EXCEEDED; a body already here needs no timer.
-//!
-//! A call takes its place among the calls in flight (the process's cap on them) once its
-//! message has arrived, not when its stream opens: streams that never send their message
-//! then hold no place, so one client opening many cannot leave others none (they are cut
-//! at the deadline, and HTTP/2 bounds them per connection). It takes one among its peer
-//! address's calls in flight first (over all that peer's connections): a client that keeps
-//! many calls waiting (costly ones waiting for their place, or all of them while the backend
-//! is slow) is refused past its share, while the others still find places. Refused calls are
-//! errors, which Envoy lets through: without the share, one client filling the cap switched
-//! limiting off for every other.
-//!
-//! A costly call (its message past `LIGHT_MESSAGE_BYTES`: far more than Envoy's few short
-//! descriptors, such as 64 descriptors of 4 KiB) is decided only in one of a few places
-//! (`costly`: two per serving thread), which it waits for within its deadline. Deciding one
-//! costs the thread that serves its connection about 4 µs per kilobyte of its message
-//! (0.95 ms for 64 descriptors of 3.9 KB): unbounded, a client of costly calls kept the
-//! serving threads busy, and every other client's calls waited behind its own. A light call
-//! never waits for a place.
+//! Not tonic's generated service: every call is one small unary message, and tonic's general
+//! path around it (router, streaming codec, per-call timer) costs more than the decision on
+//! the memory backend (measured in BENCHMARKS.md). One deadline bounds the whole call
+//! (`Deadline`). A call takes its place among the calls in flight only once its message has
+//! arrived, after one among its peer's (`Caller`), so a client opening many streams or keeping
+//! many calls waiting is refused past its share while others still find places. A costly
+//! call (past `LIGHT_MESSAGE_BYTES`) also waits for one of a few `costly` places, so clients
+//! of large messages cannot keep the serving threads from everyone else's calls.
 
 use std::future::Future;
 use std::pin::{Pin, pin};
