@@ -1,18 +1,15 @@
 //! The over-limit cache: when the backend refuses a hit until time T, later hits on the same
-//! key are refused locally until T, without a round trip. A hot key that is over its limit
-//! (the usual shape of abuse) then costs Redis nothing.
+//! key are refused locally until T, without a round trip, so a hot key over its limit (the
+//! usual shape of abuse) costs Redis nothing.
 //!
-//! It can only refuse, never admit, so it cannot let through anything Redis would refuse. A
-//! cached refusal holds only for the same limit (a reload or a request override that changes
-//! the limit bypasses it: a raised override is honoured at once) and for hits costing at least
-//! as much as the refused one; reads (cost 0) always go to the backend.
+//! It only refuses, for the same limit and a cost at least as large, so it lets through
+//! nothing Redis would refuse; and a cached refusal is answered even while the backend fails,
+//! since a certain refusal must not turn into an error. What must reach the backend whatever
+//! the verdict still goes: permits given back, and per-descriptor charges.
 //!
-//! A cached refusal refuses its request, so the request is answered at once, even while the
-//! backend is failing: a certain refusal must not turn into an error (which Envoy usually
-//! lets through). Its other hits are not asked (a refused request charges nothing, so they
-//! are reported untouched: admitted, nothing known spent), except what must reach the backend
-//! whatever the verdict: permits given back, and under per-descriptor charging the other hits'
-//! charges. If that call fails, the refusal still stands.
+//! Not a cache crate (moka, quick_cache): an entry matches only the same limit and a cost at
+//! least as large, and a full cache turns new refusals away instead of evicting live ones
+//! (`decision::bounded`), on the call path of every hot key.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};

@@ -7,7 +7,8 @@
 //! (after SCRIPT FLUSH, a restart or a failover) gets the full text once (EVAL, which also
 //! caches it). Both on whatever connection type, Cluster included: `FCALL` and `EVAL` are
 //! routed by their first key like `EVALSHA`, and a Cluster client sends `FUNCTION LOAD` to
-//! every master.
+//! every master. Not the `redis` crate's `Script`: it has no function library, and it reloads
+//! a lost script with `SCRIPT LOAD` then `EVALSHA` again, one round trip more than `EVAL`.
 
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
