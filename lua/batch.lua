@@ -27,8 +27,8 @@
 -- its remaining (-1 - remaining if refused) and us until reset or retry, plus its stamp in
 -- mode 'p'; nil alone past its deadline; nothing for a refund. Last, the script's time.
 --
--- Everything above `batch` is made once by a function library and kept between calls; a
--- script runs it on every call. `batch` is each call (twins.rs binds it either way).
+-- `batch` is each call. A function library makes everything above it once and keeps it; a
+-- script runs it all on every call, `batch`'s body at the top level (twins.rs).
 
 -- A ticket's length, and its nonce's: a request's ticket starts after `o` characters of its
 -- run's tickets, o = (its place in the run - 1) * TICKET.

@@ -34,7 +34,7 @@ struct Batch {
 
 static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     let driver = include_str!("../../../lua/batch.lua");
-    let source = twins::script(driver);
+    let source = twins::script(driver).expect("lua/batch.lua defines batch, closed at its end");
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
     let function = format!("turnstile_batch_{sha1}");
     Batch {

@@ -68,13 +68,22 @@ fn bind(n: usize, name: &str, algorithm: Algorithm, layout: KeyLayout) -> String
     format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
-/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`,
-/// whose function `batch` is called with the call's keys and values.
-pub(super) fn script(driver: &str) -> String {
+/// The line that opens the driver's function `batch`: each call's code, closed by the
+/// driver's last `end`.
+const BATCH: &str = "local function batch(KEYS, ARGV)\n";
+
+/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver` with
+/// `batch`'s body at the top level, where what it reads of the code above is in registers
+/// rather than upvalues (a script runs all of it on every call anyway). None if `driver` has
+/// no `batch` closed at its end.
+pub(super) fn script(driver: &str) -> Option<String> {
+    let (kept, body) = driver.split_once(BATCH)?;
+    let body = body.trim_end().strip_suffix("end")?;
     let mut source = twins();
-    source.push_str(driver);
-    source.push_str("\nreturn batch(KEYS, ARGV)\n");
-    source
+    source.push_str(kept);
+    source.push_str("local KEYS, ARGV = KEYS, ARGV\n");
+    source.push_str(body);
+    Some(source)
 }
 
 /// The batch script as a function library named `name`: the twins, `ALGORITHMS` and the
@@ -112,7 +121,7 @@ mod tests {
 
     #[test]
     fn every_algorithm_and_layout_is_bound_under_the_name_calls_ask_for() {
-        let script = script("-- driver");
+        let script = script("local function batch(KEYS, ARGV)\n-- driver\nend\n").unwrap();
         for algorithm in Algorithm::ALL {
             for layout in KeyLayout::ALL {
                 let name = layout.script_name(algorithm);
@@ -135,22 +144,29 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), Algorithm::ALL.len() + 1, "{names:?}");
         assert!(script.ends_with(&format!(
-            "{}-- driver\nreturn batch(KEYS, ARGV)\n",
+            "{}local KEYS, ARGV = KEYS, ARGV\n-- driver\n",
             LOOKUP[1]
         )));
     }
 
     #[test]
-    fn the_script_calls_the_drivers_batch_and_the_library_registers_it() {
-        let driver = "-- driver\n";
-        let (script, library) = (script(driver), library(driver, "lib_1"));
+    fn the_script_runs_batch_at_its_top_level_and_the_library_registers_it() {
+        let driver = "-- kept\nlocal function batch(KEYS, ARGV)\n  -- each call\nend\n";
+        let script = script(driver).unwrap();
         let twins = script
-            .strip_suffix("-- driver\n\nreturn batch(KEYS, ARGV)\n")
+            .strip_suffix("-- kept\nlocal KEYS, ARGV = KEYS, ARGV\n  -- each call\n")
             .unwrap();
         let register = "\nredis.register_function('lib_1', batch)\n";
         assert_eq!(
-            library,
-            format!("#!lua name=lib_1\n{twins}-- driver\n{register}")
+            library(driver, "lib_1"),
+            format!("#!lua name=lib_1\n{twins}{driver}{register}")
+        );
+        assert_eq!(super::script("-- no batch\n"), None);
+        let batch = include_str!("../../../lua/batch.lua");
+        assert_eq!(
+            batch.matches(BATCH).count(),
+            1,
+            "batch.lua defines batch once"
         );
     }
 
