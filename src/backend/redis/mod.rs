@@ -409,6 +409,6 @@ impl Backend for RedisBackend {
     }
 
     fn switches(&self) -> u64 {
-        self.homes.learned().switches.load(Ordering::Acquire)
+        self.connections.learned().switches.load(Ordering::Acquire)
     }
 }
