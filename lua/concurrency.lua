@@ -1,15 +1,15 @@
--- Concurrency: a sorted set <key> of leases, member = the request's id, score = when the
--- lease expires (us, Redis time). h.lease is '+<id>' to take a lease, '-<id>' to give it
--- back, '' to read. Expired leases are dropped first, so a lost release cannot leak
+-- Concurrency: a sorted set <key> of permits, member = the request's id, score = when the
+-- permit expires (us, Redis time). h.permit is '+<id>' to take a permit, '-<id>' to give it
+-- back, '' to read. Expired permits are dropped first, so a lost release cannot leak
 -- capacity for longer than one window. Mirrors src/algorithm/concurrency.rs.
 local call, tonumber = redis.call, tonumber
 
-local function lease_of(h)
-  local op, id = string.sub(h.lease, 1, 1), string.sub(h.lease, 2)
+local function permit_of(h)
+  local op, id = string.sub(h.permit, 1, 1), string.sub(h.permit, 2)
   return op, id
 end
 
--- Put a request's lease back as it was before a charge: `expiry` (0: it held none). A lease
+-- Put a request's permit back as it was before a charge: `expiry` (0: it held none). A permit
 -- given back since (a release later in the same request, or a stream-done call) stays given
 -- back: its request is over.
 local function restore(h, id, expiry)
@@ -23,7 +23,7 @@ local function restore(h, id, expiry)
   end
 end
 
--- An admission with `in_flight` leases held after it; `before` is the stamp.
+-- An admission with `in_flight` permits held after it; `before` is the stamp.
 local function admit(s, in_flight, before)
   return true, math.max(s.limit - in_flight, 0), s.span, before
 end
@@ -36,10 +36,10 @@ return {
   check = function(s, h, now)
     call('ZREMRANGEBYSCORE', h.key, '-inf', now)
     local live = call('ZCARD', h.key)
-    local op, id = lease_of(h)
+    local op, id = permit_of(h)
     local held = id ~= '' and call('ZSCORE', h.key, id)
     local holds = held ~= false and held ~= nil
-    -- The stamp is the expiry of the lease the request held before (0: none), for a refund.
+    -- The stamp is the expiry of the permit the request held before (0: none), for a refund.
     local before = holds and tonumber(held) or 0
     h.before = before
     if op == '-' then
@@ -57,7 +57,7 @@ return {
   end,
 
   commit = function(s, h, now)
-    local op, id = lease_of(h)
+    local op, id = permit_of(h)
     if op == '+' then
       call('ZADD', h.key, now + s.span, id)
       call('PEXPIRE', h.key, s.window * 1000 + 1)
@@ -67,14 +67,14 @@ return {
   end,
 
   undo = function(s, h)
-    local op, id = lease_of(h)
+    local op, id = permit_of(h)
     if op == '+' then
       restore(h, id, h.before)
     end
   end,
 
   refund = function(s, h)
-    local op, id = lease_of(h)
+    local op, id = permit_of(h)
     if op == '+' then
       restore(h, id, tonumber(h.stamp))
     end

@@ -16,8 +16,7 @@ local every_charge_expires = layout == 'reference'
 local call, tonumber, format = redis.call, tonumber, string.format
 local byte = string.byte
 -- A window's counters must not all expire at its end: Redis deletes expired keys in cycles
--- of up to 25 ms, so 100 000 counters expiring at one instant stalled every call for 25 ms
--- (LATENCY LATEST: expire-cycle) and timed some out. Counters made at a window's start, as
+-- that stall every call while they run (LATENCY LATEST: expire-cycle). Counters made at a window's start, as
 -- every busy limit's are, would still expire together were they spread by when they were
 -- made; so each outlives its window by an offset drawn from its request's nonce (random
 -- alphanumerics), below the spread: the window, or a minute if shorter. The memory backend

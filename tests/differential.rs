@@ -27,8 +27,8 @@ use support::redis::{RedisCluster, RedisServer};
 use turnstile::algorithm::Micros;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
-use turnstile::decision::limit::{Kind, Limit, Unit};
-use turnstile::decision::{Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::decision::limit::{Algorithm, Limit, Unit};
+use turnstile::decision::{Charging, Hit, Outcome, PermitOp, Role};
 
 /// Sequences per run, and most steps per sequence (each draws its length up to it): ~2 500
 /// requests on each backend, a few seconds on a CI runner.
@@ -126,7 +126,7 @@ async fn backends(server: &RedisServer, cluster: &RedisCluster, alone: &RedisSer
     }
 }
 
-fn limit(algorithm: Kind, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
+fn limit(algorithm: Algorithm, requests_per_unit: u32, window: u64, burst: u32) -> Limit {
     let unit = match window {
         60 => Unit::Minute,
         3_600 => Unit::Hour,
@@ -153,7 +153,7 @@ struct Rule {
 }
 
 fn random_limit(rng: &mut fastrand::Rng) -> Limit {
-    let algorithm = Kind::ALL[rng.usize(..Kind::ALL.len())];
+    let algorithm = Algorithm::ALL[rng.usize(..Algorithm::ALL.len())];
     let window = [1, 10, 60][rng.usize(..3)];
     let rate = if rng.u8(..20) == 0 { 0 } else { rng.u32(1..=8) };
     let burst = match algorithm.takes_burst() {
@@ -233,7 +233,7 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
         // rule's counter when the window is the same.
         let window = [1, 60][rng.usize(..2)];
         let rate = rng.u32(0..=6);
-        vec![(limit(Kind::FixedWindow, rate, window, rate), None)]
+        vec![(limit(Algorithm::FixedWindow, rate, window, rate), None)]
     } else {
         rule.limits
             .iter()
@@ -250,21 +250,25 @@ fn descriptor_hits(rng: &mut fastrand::Rng, rule: &Rule) -> Vec<Hit> {
     placed
         .into_iter()
         .map(|(limit, shard)| {
-            let lease = limit
+            let permit = limit
                 .algorithm
                 .in_flight()
                 .then(|| match (release, units) {
-                    (true, _) => Some((LeaseOp::Release, request_id.clone())),
+                    (true, _) => Some((PermitOp::Release, request_id.clone())),
                     (false, 0) => None,
-                    (false, _) => Some((LeaseOp::Acquire, request_id.clone())),
+                    (false, _) => Some((PermitOp::Acquire, request_id.clone())),
                 })
                 .flatten();
             Hit {
                 key: key(rule, &limit, shard),
                 limit,
-                hits: if release && lease.is_some() { 1 } else { units },
+                units: if release && permit.is_some() {
+                    1
+                } else {
+                    units
+                },
                 role: rule.role,
-                lease,
+                permit,
             }
         })
         .collect()
@@ -333,8 +337,8 @@ async fn sequence(backends: &Backends, seed: u64, length: usize) -> Result<(), S
                     h.limit.window,
                     h.limit.burst,
                     h.role,
-                    h.hits,
-                    h.lease,
+                    h.units,
+                    h.permit,
                     h.limit.algorithm,
                     o
                 );
@@ -385,46 +389,46 @@ async fn drifts_once_found_stay_fixed() {
     let (server, alone) = (RedisServer::start(), RedisServer::start());
     let cluster = RedisCluster::shared();
     let backends = backends(&server, &cluster, &alone).await;
-    let five = limit(Kind::Concurrency, 5, 60, 5);
-    let lease = |key: &str, op, id: &str| Hit {
+    let five = limit(Algorithm::Concurrency, 5, 60, 5);
+    let permit = |key: &str, op, id: &str| Hit {
         key: key.into(),
         limit: five,
-        hits: 1,
+        units: 1,
         role: Role::Enforce,
-        lease: Some((op, id.into())),
+        permit: Some((op, id.into())),
     };
     let read = |key: &str| Hit {
-        hits: 0,
-        lease: None,
-        ..lease(key, LeaseOp::Acquire, "")
+        units: 0,
+        permit: None,
+        ..permit(key, PermitOp::Acquire, "")
     };
-    // A key in another Cluster slot than "lease-*", refusing everything.
+    // A key in another Cluster slot than "permit-*", refusing everything.
     let never = Hit {
         key: "never".into(),
-        limit: limit(Kind::FixedWindow, 0, 60, 0),
-        hits: 1,
+        limit: limit(Algorithm::FixedWindow, 0, 60, 0),
+        units: 1,
         role: Role::Enforce,
-        lease: None,
+        permit: None,
     };
     assert_ne!(
-        Slot::for_key("{lease-b}"),
+        Slot::for_key("{permit-b}"),
         Slot::for_key("{never}"),
         "the refusal must come from another slot, so the Cluster reserves and refunds"
     );
-    let acquire = |key| lease(key, LeaseOp::Acquire, "r");
-    let release = |key| lease(key, LeaseOp::Release, "r");
+    let acquire = |key| permit(key, PermitOp::Acquire, "r");
+    let release = |key| permit(key, PermitOp::Release, "r");
     let rows: Vec<(&str, Vec<Request>, Outcome)> = vec![
         (
-            // seed 2487400033279472955: undoing the uncharged re-acquire put back the lease
+            // seed 2487400033279472955: undoing the uncharged re-acquire put back the permit
             // the release in the same request had given back.
-            "a lease given back in an uncharged request stays given back",
+            "a permit given back in an uncharged request stays given back",
             vec![
-                (vec![acquire("lease-a")], Charging::Atomic),
+                (vec![acquire("permit-a")], Charging::Atomic),
                 (
-                    vec![acquire("lease-a"), release("lease-a")],
+                    vec![acquire("permit-a"), release("permit-a")],
                     Charging::Nothing,
                 ),
-                (vec![read("lease-a")], Charging::Atomic),
+                (vec![read("permit-a")], Charging::Atomic),
             ],
             Outcome {
                 admitted: true,
@@ -433,13 +437,13 @@ async fn drifts_once_found_stay_fixed() {
             },
         ),
         (
-            // Found by mutation: the Cluster refund of a refused request removed a lease the
+            // Found by mutation: the Cluster refund of a refused request removed a permit the
             // request had held before it.
-            "a refused request refunds a lease it already held by keeping it",
+            "a refused request refunds a permit it already held by keeping it",
             vec![
-                (vec![acquire("lease-b")], Charging::Atomic),
-                (vec![acquire("lease-b"), never.clone()], Charging::Atomic),
-                (vec![read("lease-b")], Charging::Atomic),
+                (vec![acquire("permit-b")], Charging::Atomic),
+                (vec![acquire("permit-b"), never.clone()], Charging::Atomic),
+                (vec![read("permit-b")], Charging::Atomic),
             ],
             Outcome {
                 admitted: true,

@@ -462,8 +462,8 @@ impl Topology {
     }
 
     /// Requests to `/hold` for `tenant`, held by the upstream, until one is refused; the
-    /// held ones, each with its lease (one let through without an answer holds none: it is
-    /// reset). Refused only when the limit's 20 leases are held, whoever holds them.
+    /// held ones, each with its permit (one let through without an answer holds none: it is
+    /// reset). Refused only when the limit's 20 permits are held, whoever holds them.
     async fn fill(&self, tenant: &str) -> Vec<tokio::net::TcpStream> {
         let headers = [("x-tenant", tenant)];
         let mut streams = Vec::new();
@@ -476,7 +476,7 @@ impl Topology {
                 _ = stream.readable() => {
                     let refused = envoy::read_reply(stream, Instant::now()).await;
                     assert_eq!(refused.status, 429, "{refused:?}");
-                    assert_eq!(self.leases(tenant), 20, "refused with the limit's leases held");
+                    assert_eq!(self.permits(tenant), 20, "refused with the limit's permits held");
                     return streams;
                 }
                 _ = self.upstream.wait_held(held + 1) => {}
@@ -492,18 +492,18 @@ impl Topology {
 }
 
 impl Topology {
-    /// Leases the tenant holds in Redis now.
-    fn leases(&self, tenant: &str) -> usize {
+    /// Permits the tenant holds in Redis now.
+    fn permits(&self, tenant: &str) -> usize {
         match self.redis.keys(&format!("*tenant={tenant}|*")).as_slice() {
             [] => 0,
             [key] => self.redis.query(&["ZCARD", key]),
-            keys => panic!("one set of leases per tenant: {keys:?}"),
+            keys => panic!("one set of permits per tenant: {keys:?}"),
         }
     }
 
     /// Calls that failed, stream-done calls included: Envoy gave up on them (its timeout),
     /// or turnstile answered an error (Redis slower than its timeout). An overloaded machine
-    /// has some; each may keep a lease until it lapses (the rule's window).
+    /// has some; each may keep a permit until it lapses (the rule's window).
     async fn failed_calls(&self) -> usize {
         let stats = self
             .envoy
@@ -516,22 +516,22 @@ impl Topology {
         failed
     }
 
-    /// Until the tenant's leases are given back (bounded) but for `others` (not given back
+    /// Until the tenant's permits are given back (bounded) but for `others` (not given back
     /// now) and one per call that failed since `failed` was counted.
     async fn leases_back(&self, tenant: &str, others: usize, failed: usize, how: &str) {
         let since = Instant::now();
         loop {
-            let (held, lost) = (self.leases(tenant), self.failed_calls().await - failed);
+            let (held, lost) = (self.permits(tenant), self.failed_calls().await - failed);
             if held <= others + lost {
                 eprintln!(
-                    "leases of {how} requests back after {:?} ({held} still held)",
+                    "permits of {how} requests back after {:?} ({held} still held)",
                     since.elapsed()
                 );
                 return;
             }
             assert!(
                 since.elapsed() < Duration::from_secs(10),
-                "{held} leases of {how} requests never came back"
+                "{held} permits of {how} requests never came back"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -549,33 +549,33 @@ async fn the_concurrency_example_admits_20_in_flight_and_gets_them_back() {
     let other = top.answered(client(101), "/", &[("x-tenant", "other")]);
     assert_eq!(other.await.status, 200);
 
-    // They finish: their leases are given back (and the refused one gave nothing back), by
+    // They finish: their permits are given back (and the refused one gave nothing back), by
     // Envoy's stream-done calls after the answers.
-    let (others, failed) = (top.leases("acme") - held.len(), top.failed_calls().await);
+    let (others, failed) = (top.permits("acme") - held.len(), top.failed_calls().await);
     top.upstream.release();
     for stream in held {
         assert_eq!(envoy::read_reply(stream, Instant::now()).await.status, 200);
     }
     top.leases_back("acme", others, failed, "finished").await;
-    let kept = top.leases("acme");
+    let kept = top.permits("acme");
     let held = top.fill("acme").await;
     assert_eq!(
         held.len(),
         20 - kept,
-        "all the capacity back but for {kept} leases"
+        "all the capacity back but for {kept} permits"
     );
 
-    // Their clients go away (TCP reset): Envoy's stream-done calls give the leases back.
-    let (others, failed) = (top.leases("acme") - held.len(), top.failed_calls().await);
+    // Their clients go away (TCP reset): Envoy's stream-done calls give the permits back.
+    let (others, failed) = (top.permits("acme") - held.len(), top.failed_calls().await);
     held.into_iter().for_each(envoy::reset);
     top.upstream.wait_held(0).await;
     top.leases_back("acme", others, failed, "reset").await;
-    let kept = top.leases("acme");
+    let kept = top.permits("acme");
     let held = top.fill("acme").await;
     assert_eq!(
         held.len(),
         20 - kept,
-        "all the capacity back but for {kept} leases"
+        "all the capacity back but for {kept} permits"
     );
     top.upstream.release();
     for stream in held {

@@ -15,8 +15,8 @@ use turnstile::backend::Backend;
 use turnstile::backend::memory::MemoryBackend;
 use turnstile::backend::redis::{RedisBackend, RedisConfig, RedisMode};
 use turnstile::decision::deadline::Deadline;
-use turnstile::decision::limit::{Kind, Limit, Unit};
-use turnstile::decision::{BackendError, Charging, Hit, LeaseOp, Outcome, Role};
+use turnstile::decision::limit::{Algorithm, Limit, Unit};
+use turnstile::decision::{BackendError, Charging, Hit, Outcome, PermitOp, Role};
 
 const SEC: Duration = Duration::from_secs(1);
 const MINUTE_US: u64 = 60_000_000;
@@ -26,8 +26,12 @@ const FIVE_AN_HOUR: &str =
     "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
 
 /// The algorithms that count units over time (concurrency limits have tests of their own:
-/// their hits need a lease).
-const RATE_ALGORITHMS: [Kind; 3] = [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket];
+/// their hits need a permit).
+const RATE_ALGORITHMS: [Algorithm; 3] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::TokenBucket,
+];
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -55,7 +59,7 @@ async fn clustered(cluster: &RedisCluster, prefix: &str) -> RedisBackend {
         .expect("connect to the cluster")
 }
 
-fn limit(algorithm: Kind, requests_per_unit: u32, unit: Unit) -> Limit {
+fn limit(algorithm: Algorithm, requests_per_unit: u32, unit: Unit) -> Limit {
     Limit {
         requests_per_unit,
         unit,
@@ -66,13 +70,13 @@ fn limit(algorithm: Kind, requests_per_unit: u32, unit: Unit) -> Limit {
     }
 }
 
-fn hit(key: &str, limit: Limit, hits: u64) -> Hit {
+fn hit(key: &str, limit: Limit, units: u64) -> Hit {
     Hit {
         key: key.into(),
         limit,
-        hits,
+        units,
         role: Role::Enforce,
-        lease: None,
+        permit: None,
     }
 }
 
@@ -112,7 +116,7 @@ async fn settled(
     let newest = server.clients().iter().map(|c| c.0).max().unwrap_or(0);
     let outcome = one(backend, hit).await;
     let read = Hit {
-        hits: 0,
+        units: 0,
         ..hit.clone()
     };
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -219,7 +223,7 @@ fn cached(server: &RedisServer, field: &str) -> u64 {
 /// Multi-descriptor requests with every role and both chargings: the backends must agree on
 /// every verdict and count, and on the reset within clock skew.
 async fn fixed_window_script(backend: &impl Backend) -> Vec<Outcome> {
-    let fixed = |n| limit(Kind::FixedWindow, n, Unit::Hour);
+    let fixed = |n| limit(Algorithm::FixedWindow, n, Unit::Hour);
     let (a, b, c, d) = (fixed(5), fixed(2), fixed(3), fixed(3));
     let shadow = role(hit("s", fixed(0), 1), Role::Shadow);
     let q1 = role(hit("q1", fixed(1), 1), Role::Quota);
@@ -308,7 +312,7 @@ async fn cluster_single_and_memory_give_the_same_fixed_window_answers() {
 async fn sliding_window_remaining_and_reset_are_exact() {
     let server = RedisServer::start();
     let b = single(&server, "sw:").await;
-    let k = |hits| hit("k", limit(Kind::SlidingWindow, 3, Unit::Minute), hits);
+    let k = |hits| hit("k", limit(Algorithm::SlidingWindow, 3, Unit::Minute), hits);
 
     let read = one(&b, &k(0)).await;
     assert_eq!(
@@ -366,7 +370,7 @@ async fn token_bucket_remaining_and_reset_are_exact() {
     // 60 per minute: one token per second, burst 3.
     let bucket = Limit {
         burst: 3,
-        ..limit(Kind::TokenBucket, 60, Unit::Minute)
+        ..limit(Algorithm::TokenBucket, 60, Unit::Minute)
     };
     let k = |hits| hit("k", bucket, hits);
 
@@ -416,7 +420,7 @@ async fn token_bucket_remaining_and_reset_are_exact() {
 async fn fixed_window_admits_twice_the_limit_across_a_boundary() {
     let server = RedisServer::start();
     let b = single(&server, "fb:").await;
-    let k = hit("k", limit(Kind::FixedWindow, 3, Unit::Second), 1);
+    let k = hit("k", limit(Algorithm::FixedWindow, 3, Unit::Second), 1);
     // Hammer from 300 ms before a second boundary to 300 ms after it; retry if the machine
     // stalled so much that the run did not straddle a boundary.
     for _attempt in 0..3 {
@@ -446,7 +450,7 @@ async fn fixed_window_admits_twice_the_limit_across_a_boundary() {
 async fn sliding_window_never_admits_more_than_the_limit_in_any_window() {
     let server = RedisServer::start();
     let b = single(&server, "sl:").await;
-    let k = hit("k", limit(Kind::SlidingWindow, 5, Unit::Second), 1);
+    let k = hit("k", limit(Algorithm::SlidingWindow, 5, Unit::Second), 1);
     let start = Instant::now();
     let mut admitted = Vec::new();
     while start.elapsed() < Duration::from_millis(2_200) {
@@ -480,7 +484,7 @@ async fn token_bucket_admits_the_burst_then_the_steady_rate() {
     // 10 per second (one per 100 ms), burst 5.
     let bucket = Limit {
         burst: 5,
-        ..limit(Kind::TokenBucket, 10, Unit::Second)
+        ..limit(Algorithm::TokenBucket, 10, Unit::Second)
     };
     let k = hit("k", bucket, 1);
     let mut admitted = Vec::new();
@@ -561,7 +565,10 @@ async fn costs_above_one_count_and_zero_costs_only_read() {
 
 /// A wide and a narrow limit of each algorithm in one request: a refusal by the narrow one
 /// charges the wide one only under per-descriptor charging.
-async fn refusal_charges_per_charging_mode(b: &RedisBackend, names: impl Fn(Kind) -> Vec<String>) {
+async fn refusal_charges_per_charging_mode(
+    b: &RedisBackend,
+    names: impl Fn(Algorithm) -> Vec<String>,
+) {
     for algorithm in RATE_ALGORITHMS {
         clear_of_end(MINUTE, CALLS_SPAN).await;
         let names = names(algorithm);
@@ -629,13 +636,13 @@ async fn cluster_refund_finds_the_reserved_entries_of_every_hit() {
             .collect::<Vec<_>>(),
     )
     .unwrap();
-    let sliding = limit(Kind::SlidingWindow, 10, Unit::Minute);
+    let sliding = limit(Algorithm::SlidingWindow, 10, Unit::Minute);
     let request = [
         hit("a", sliding, 1),
-        hit(&b_name, limit(Kind::FixedWindow, 1, Unit::Minute), 1),
+        hit(&b_name, limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
         hit(&z, sliding, 0),
         hit(&c, sliding, 1),
-        hit(&d_name, limit(Kind::TokenBucket, 10, Unit::Minute), 1),
+        hit(&d_name, limit(Algorithm::TokenBucket, 10, Unit::Minute), 1),
     ];
     let admitted = |o: &[Outcome]| o.iter().map(|o| o.admitted).collect::<Vec<_>>();
     let remaining = async |b: &RedisBackend| {
@@ -690,11 +697,11 @@ async fn mixed_run(b: &RedisBackend) {
                 .collect();
             b.evaluate(&hits, Charging::Atomic).await.expect("evaluate");
         }
-        let lease = Hit {
-            lease: Some((LeaseOp::Acquire, format!("request-{n}"))),
-            ..hit("leases", limit(Kind::Concurrency, 3, Unit::Hour), 1)
+        let permit = Hit {
+            permit: Some((PermitOp::Acquire, format!("request-{n}"))),
+            ..hit("permits", limit(Algorithm::Concurrency, 3, Unit::Hour), 1)
         };
-        b.evaluate(&[lease], Charging::Atomic)
+        b.evaluate(&[permit], Charging::Atomic)
             .await
             .expect("evaluate");
     }
@@ -753,7 +760,7 @@ fn a_call_the_script_cannot_read_writes_nothing() {
         ("a ticket too long", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", long], Some("tickets")),
         ("a key too many", &["k1", "k2", "k3"], SPEC, &["2", good[0], good[1], "a 1:1*1", t2], Some("keys")),
         ("a value too many", &two, SPEC, &["2", good[0], good[1], "a 1:1*1", t2, "+r"], Some("values")),
-        ("a lease missing", &two, SPEC, &["2", good[0], good[1], "a 1:1L*1", t2], Some("values")),
+        ("a permit missing", &two, SPEC, &["2", good[0], good[1], "a 1:1P*1", t2], Some("values")),
         ("a spec not ended", &two, "fixed_window 10 60 10 e", &["1", "a 1:1*2", both], Some("specs")),
         ("text after the specs", &two, "fixed_window 10 60 10 e;x", &["1", "a 1:1*2", both], Some("specs")),
         ("a spec short of a value", &two, "fixed_window 10 60 e;", &["1", "a 1:1*2", both], Some("specs")),
@@ -875,7 +882,7 @@ async fn every_key_expires() {
     mixed_run(&single(&server, "ttl:").await).await;
     let keys = server.keys("ttl:*");
     // 3 limits of each rate algorithm: fixed has one counter, sliding a log and a sum, bucket
-    // one; and the concurrency limit's set of leases.
+    // one; and the concurrency limit's set of permits.
     assert_eq!(keys.len(), 3 * 4 + 1, "{keys:?}");
     for key in keys {
         let ttl: i64 = server.query(&["PTTL", &key]);
@@ -907,7 +914,7 @@ async fn fixed_window_counters_expire_spread_after_their_window() {
             .map(|n| {
                 hit(
                     &format!("{unit:?}-{n}"),
-                    limit(Kind::FixedWindow, 5, unit),
+                    limit(Algorithm::FixedWindow, 5, unit),
                     1,
                 )
             })
@@ -965,11 +972,15 @@ async fn long_identities_count_on_short_keys_in_their_limits_slot() {
     let cluster = RedisCluster::shared();
     let b = clustered(&cluster, "long:").await;
     let padding = "x".repeat(4_000);
-    for kind in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+    ] {
         let hit = |end: &str| {
             hit(
-                &format!("d|user={padding}{end}|{}:3600", kind.name()),
-                limit(kind, 2, Unit::Hour),
+                &format!("d|user={padding}{end}|{}:3600", algorithm.name()),
+                limit(algorithm, 2, Unit::Hour),
                 1,
             )
         };
@@ -978,7 +989,7 @@ async fn long_identities_count_on_short_keys_in_their_limits_slot() {
             one(&b, &hit("a")).await.remaining,
             one(&b, &hit("b")).await.remaining,
         ];
-        assert_eq!(remaining, [1, 0, 1], "{kind:?}");
+        assert_eq!(remaining, [1, 0, 1], "{algorithm:?}");
     }
     let keys = cluster.keys("long:*");
     assert!(keys.len() >= 6, "{} keys", keys.len());
@@ -1005,8 +1016,8 @@ async fn long_identities_count_on_short_keys_in_their_limits_slot() {
 /// Requests while the server's script and function caches are flushed every 10 of them: none
 /// may fail, and the batch script is back in the cache turnstile uses (`used`) after.
 async fn survive_cache_flushes(b: &RedisBackend, servers: &[&RedisServer], used: &str) {
-    let k = hit("k", limit(Kind::SlidingWindow, 1000, Unit::Minute), 1);
-    let other = hit("k-2", limit(Kind::FixedWindow, 1000, Unit::Minute), 1);
+    let k = hit("k", limit(Algorithm::SlidingWindow, 1000, Unit::Minute), 1);
+    let other = hit("k-2", limit(Algorithm::FixedWindow, 1000, Unit::Minute), 1);
     for n in 0..60 {
         if n % 10 == 0 {
             for server in servers {
@@ -1053,7 +1064,7 @@ async fn a_flushed_script_or_function_cache_fails_no_request() {
 async fn a_call_an_error_ended_leaves_nothing_to_the_next() {
     let server = RedisServer::start();
     let b = single(&server, "err:").await;
-    let per_hour = limit(Kind::FixedWindow, 100, Unit::Hour);
+    let per_hour = limit(Algorithm::FixedWindow, 100, Unit::Hour);
     let (k, w) = (hit("k", per_hour, 1), hit("w", per_hour, 1));
     assert_eq!(one(&b, &k).await.remaining, 99);
     assert_eq!(one(&b, &w).await.remaining, 99);
@@ -1088,7 +1099,7 @@ async fn a_server_without_functions_runs_the_script_by_hash() {
     for (missing, fcalls) in [("FCALL", 0), ("FUNCTION", 1)] {
         let server = RedisServer::start_with(&format!("rename-command {missing} \"\""));
         let b = single(&server, "nf:").await;
-        let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Minute), 1);
+        let k = hit("k", limit(Algorithm::FixedWindow, 10, Unit::Minute), 1);
         clear_of_end(MINUTE, CALLS_SPAN).await;
         for n in 0..3 {
             assert_eq!(one(&b, &k).await.remaining, 9 - n, "without {missing}");
@@ -1107,7 +1118,7 @@ async fn a_frozen_server_times_out_within_the_call_timeout_and_recovers() {
     })
     .await
     .unwrap();
-    let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Minute), 1);
+    let k = hit("k", limit(Algorithm::FixedWindow, 10, Unit::Minute), 1);
     assert!(b.ready().await);
     assert!(one(&b, &k).await.admitted);
 
@@ -1138,7 +1149,11 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
     let single = single(&server, "late:").await;
     let clustered = clustered(&cluster, "late:").await;
     clear_of_end(HOUR, Duration::from_secs(5)).await;
-    for algorithm in [Kind::FixedWindow, Kind::SlidingWindow, Kind::TokenBucket] {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+    ] {
         let l = limit(algorithm, 10, Unit::Hour);
         let rows: [(&str, &RedisBackend, Vec<Hit>); 3] = [
             (
@@ -1184,7 +1199,7 @@ async fn a_decision_past_its_callers_deadline_charges_nothing() {
 async fn a_restarted_server_is_reconnected_and_gets_the_function_library_again() {
     let mut server = RedisServer::start();
     let b = single(&server, "rs:").await;
-    let k = hit("k", limit(Kind::TokenBucket, 10, Unit::Minute), 1);
+    let k = hit("k", limit(Algorithm::TokenBucket, 10, Unit::Minute), 1);
     assert_eq!(one(&b, &k).await.remaining, 9);
     assert_eq!(one(&b, &k).await.remaining, 8);
 
@@ -1251,7 +1266,7 @@ async fn connect_reports_bad_configurations() {
     .expect("password and database from the URL");
     one(
         &allowed,
-        &hit("k", limit(Kind::FixedWindow, 1, Unit::Minute), 1),
+        &hit("k", limit(Algorithm::FixedWindow, 1, Unit::Minute), 1),
     )
     .await;
     let in_db3: u64 = {
@@ -1300,7 +1315,7 @@ async fn sentinel_mode_finds_the_master_and_follows_a_failover() {
     })
     .await
     .expect("connect through the sentinel");
-    let k = hit("k", limit(Kind::FixedWindow, 100, Unit::Hour), 1);
+    let k = hit("k", limit(Algorithm::FixedWindow, 100, Unit::Hour), 1);
     // One hour's counter is followed from the first call through the failover (at most 16 s).
     clear_of_end(HOUR, 30 * SEC).await;
     assert_eq!(one(&b, &k).await.remaining, 99);
@@ -1358,7 +1373,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     let server = RedisServer::start();
     let metrics = Arc::new(Metrics::new(0.8, 100));
     let cache = OverLimitCache::new(single(&server, "").await, 1_000, metrics.clone());
-    let one_per_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
+    let one_per_hour = limit(Algorithm::FixedWindow, 1, Unit::Hour);
     let hot = hit("hot", one_per_hour, 1);
     clear_of_end(HOUR, Duration::from_secs(5)).await;
     assert!(one(&cache, &hot).await.admitted);
@@ -1382,7 +1397,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
     assert!(read.admitted, "a read at the limit is not over it");
     let raised = one(
         &cache,
-        &hit("hot", limit(Kind::FixedWindow, 5, Unit::Hour), 1),
+        &hit("hot", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1),
     )
     .await;
     assert_eq!((raised.admitted, raised.remaining), (true, 3));
@@ -1390,7 +1405,7 @@ async fn the_over_limit_cache_refuses_locally_but_never_beyond_what_redis_refuse
 
     // A request that the cache refuses is answered without a round trip and charges nothing
     // on its other hits.
-    let other = hit("other", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
+    let other = hit("other", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
     assert_eq!(one(&cache, &other).await.remaining, 9);
     let calls = server.script_calls();
     let both = eval(&cache, &[other.clone(), hot.clone()], Charging::Atomic).await;
@@ -1495,7 +1510,7 @@ async fn tls_with_a_private_ca_and_a_client_certificate() {
     let backend = RedisBackend::connect(&full)
         .await
         .expect("TLS with a client certificate");
-    let h = hit("tls", limit(Kind::TokenBucket, 5, Unit::Minute), 1);
+    let h = hit("tls", limit(Algorithm::TokenBucket, 5, Unit::Minute), 1);
     assert_eq!(one(&backend, &h).await.remaining, 4);
 
     let no_client_cert = with(RedisTls {
@@ -1525,7 +1540,7 @@ async fn redis_auth_applies_to_urls_without_credentials() {
         auth: Some(auth.into()),
         ..config(vec![bare.clone()], RedisMode::Single, "")
     };
-    let h = hit("auth", limit(Kind::FixedWindow, 5, Unit::Hour), 1);
+    let h = hit("auth", limit(Algorithm::FixedWindow, 5, Unit::Hour), 1);
     let backend = RedisBackend::connect(&with_auth("s3cret"))
         .await
         .expect("password");
@@ -1979,7 +1994,7 @@ async fn a_unix_socket_url_reaches_redis() {
     let backend = RedisBackend::connect(&config(vec![url], RedisMode::Single, ""))
         .await
         .expect("connect over the socket");
-    let h = hit("sock", limit(Kind::SlidingWindow, 2, Unit::Minute), 1);
+    let h = hit("sock", limit(Algorithm::SlidingWindow, 2, Unit::Minute), 1);
     assert_eq!(one(&backend, &h).await.remaining, 1);
 }
 
@@ -2092,17 +2107,21 @@ async fn retry_times_are_when_admission_resumes() {
     let single = single(&server, "retry:").await;
     let clustered = clustered(&cluster, "retry:").await;
     let cases = [
-        ("fixed_window", limit(Kind::FixedWindow, 1, Unit::Second), 1),
+        (
+            "fixed_window",
+            limit(Algorithm::FixedWindow, 1, Unit::Second),
+            1,
+        ),
         (
             "sliding_window",
-            limit(Kind::SlidingWindow, 2, Unit::Second),
+            limit(Algorithm::SlidingWindow, 2, Unit::Second),
             2,
         ),
         (
             "token_bucket",
             Limit {
                 burst: 1,
-                ..limit(Kind::TokenBucket, 5, Unit::Second)
+                ..limit(Algorithm::TokenBucket, 5, Unit::Second)
             },
             1,
         ),
@@ -2221,7 +2240,7 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     assert_eq!(
         call("r2", false).await,
         (Code::Ok, 0),
-        "a retry holds its own lease"
+        "a retry holds its own permit"
     );
     // The stream-done call of a request that was refused gives nothing back.
     assert_eq!(call("r4", true).await.0, Code::Ok);
@@ -2230,7 +2249,7 @@ async fn concurrency_limits_hold_across_four_instances_and_leases_come_back() {
     assert_eq!(call("r1", true).await, (Code::Ok, 1));
     assert_eq!(call("r5", false).await, (Code::Ok, 0));
     assert_eq!(call("r6", false).await.0, Code::OverLimit);
-    // Lost stream-done calls: the leases expire after the window (2 s).
+    // Lost stream-done calls: the permits expire after the window (2 s).
     sleep(Duration::from_millis(2_100)).await;
     assert_eq!(call("r6", false).await, (Code::Ok, 2));
     let keys = server.keys("*");
@@ -2290,8 +2309,8 @@ async fn quota_leases_cut_redis_calls_and_never_exceed_the_limit_across_four_ins
 async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independently() {
     let server = RedisServer::start();
     let b = over_connections(&server, 1, "co:").await;
-    let one_an_hour = limit(Kind::FixedWindow, 1, Unit::Hour);
-    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    let one_an_hour = limit(Algorithm::FixedWindow, 1, Unit::Hour);
+    let ten_an_hour = limit(Algorithm::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(
         settled(&server, &b, 1, &hit("full", one_an_hour, 1))
@@ -2361,7 +2380,7 @@ async fn requests_queued_behind_a_call_share_the_next_one_and_decide_independent
 async fn requests_a_serving_thread_runs_together_share_one_call() {
     let server = RedisServer::start();
     let b = over_connections(&server, 2, "burst:").await;
-    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    let ten_an_hour = limit(Algorithm::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
     // The warm call's answer comes before its I/O task looks at the lane's queue once more
     // and gives its slot back: a request queued in between would go in a call of its own.
@@ -2414,7 +2433,7 @@ fn each_serving_thread_calls_on_connections_of_its_own() {
     };
     let multi = build(Some(1));
     let b = multi.block_on(over_connections(&server, 2, "own:"));
-    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    let ten_an_hour = limit(Algorithm::FixedWindow, 10, Unit::Hour);
     let k = hit("k", ten_an_hour, 1);
     // The last command of each of the backend's connections, oldest first, once they number
     // `count` (a probe connection made with each set closes soon after).
@@ -2493,7 +2512,7 @@ async fn a_busy_serving_thread_does_not_blame_redis_for_a_reply_it_read_late() {
     })
     .await
     .unwrap();
-    let k = hit("k", limit(Kind::FixedWindow, 10, Unit::Hour), 1);
+    let k = hit("k", limit(Algorithm::FixedWindow, 10, Unit::Hour), 1);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(
         settled(&server, &b, RedisConfig::default().connections, &k)
@@ -2543,7 +2562,7 @@ async fn queueing_counts_against_the_callers_deadline_not_the_call_timeout() {
     })
     .await
     .unwrap();
-    let ten_an_hour = limit(Kind::FixedWindow, 10, Unit::Hour);
+    let ten_an_hour = limit(Algorithm::FixedWindow, 10, Unit::Hour);
     clear_of_end(HOUR, Duration::from_secs(10)).await;
     assert!(
         settled(&server, &b, 1, &hit("warm", ten_an_hour, 1))

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, MICROS_PER_SECOND, Micros, clamp_u32};
+use super::{Arithmetic, MICROS_PER_SECOND, Micros, clamp_u32};
 use crate::decision::{Cost, Outcome};
 use crate::decision::limit::Limit;
 
@@ -26,7 +26,7 @@ pub fn window_start(limit: &Limit, now: Micros) -> u64 {
     now / MICROS_PER_SECOND / w * w
 }
 
-impl Algorithm for FixedWindow {
+impl Arithmetic for FixedWindow {
     type State = State;
     const BATCHES: bool = true;
 

@@ -7,12 +7,12 @@
 //! Redis backend runs on Redis time; the memory backend calls the Rust side directly.
 //!
 //! Which algorithms exist is said once, in the registry `crate::decision::limit::algorithms!`; this
-//! module expands it into the modules, the twins' sources (`Kind::lua`), the state of any
-//! algorithm (`KeyState`) and the dispatch from a `Kind` to its arithmetic, so that nothing
-//! else matches on every `Kind`. Adding an algorithm is one line there, `<name>.rs` here
-//! (with its `Algorithm` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
+//! module expands it into the modules, the twins' sources (`Algorithm::lua`), the state of any
+//! algorithm (`KeyState`) and the dispatch from an `Algorithm` to its arithmetic, so that nothing
+//! else matches on every `Algorithm`. Adding an algorithm is one line there, `<name>.rs` here
+//! (with its `Arithmetic` impl) and `lua/<name>.lua`; the compiler reports any of them missing.
 
-use crate::decision::limit::{Kind, Limit, algorithms};
+use crate::decision::limit::{Algorithm, Limit, algorithms};
 use crate::decision::{Cost, Outcome};
 
 /// Microseconds since the Unix epoch: the clock every algorithm reads.
@@ -21,7 +21,7 @@ pub type Micros = u64;
 pub const MICROS_PER_SECOND: u64 = 1_000_000;
 
 /// One algorithm's arithmetic. Implementations are stateless; the state lives in a backend.
-pub trait Algorithm {
+pub trait Arithmetic {
     /// One key's state. `Default` is the state of a key never hit (or expired).
     type State: Default + Clone + std::fmt::Debug;
 
@@ -42,14 +42,14 @@ pub trait Algorithm {
         None
     }
 
-    /// Whether it limits requests in flight (each holding a lease named by the descriptor's
+    /// Whether it limits requests in flight (each holding a permit named by the descriptor's
     /// last entry) rather than a rate.
     const IN_FLIGHT: bool = false;
 
     /// Decide whether `cost` fits, without changing anything.
     fn check(state: &Self::State, limit: &Limit, now: Micros, cost: Cost<'_>) -> Outcome;
 
-    /// Record a `cost` that `check` admitted at the same `now` (or a lease release, which
+    /// Record a `cost` that `check` admitted at the same `now` (or a permit release, which
     /// always applies).
     fn commit(state: &mut Self::State, limit: &Limit, now: Micros, cost: Cost<'_>);
 
@@ -57,13 +57,13 @@ pub trait Algorithm {
     fn expires_at(state: &Self::State, limit: &Limit) -> Micros;
 
     /// The bytes the state holds on the heap, for a backend that caps the bytes of the state
-    /// it keeps: state that grows with admissions (a log, leases) counts, not only its key.
+    /// it keeps: state that grows with admissions (a log, permits) counts, not only its key.
     fn heap_bytes(_state: &Self::State) -> usize {
         0
     }
 }
 
-/// Expands the registry: the modules, and what each `Kind` stands for.
+/// Expands the registry: the modules, and what each `Algorithm` stands for.
 macro_rules! expand {
     ($($(#[$attr:meta])* $kind:ident $module:ident,)+) => {
         $(pub mod $module;)+
@@ -72,7 +72,7 @@ macro_rules! expand {
         /// stores.
         #[derive(Debug, Clone)]
         pub enum KeyState {
-            $($kind(<$module::$kind as Algorithm>::State),)+
+            $($kind(<$module::$kind as Arithmetic>::State),)+
         }
 
         impl KeyState {
@@ -86,17 +86,17 @@ macro_rules! expand {
             ) -> Outcome {
                 match (limit.algorithm, state) {
                     $(
-                        (Kind::$kind, Some(KeyState::$kind(state))) => {
+                        (Algorithm::$kind, Some(KeyState::$kind(state))) => {
                             $module::$kind::check(state, limit, now, cost)
                         }
-                        (Kind::$kind, _) => {
+                        (Algorithm::$kind, _) => {
                             $module::$kind::check(&Default::default(), limit, now, cost)
                         }
                     )+
                 }
             }
 
-            /// Record `cost` (as [`Algorithm::commit`]) on `state`, which starts afresh when
+            /// Record `cost` (as [`Arithmetic::commit`]) on `state`, which starts afresh when
             /// empty or of another algorithm. Returns when the state expires.
             pub fn commit(
                 state: &mut Option<KeyState>,
@@ -106,7 +106,7 @@ macro_rules! expand {
             ) -> Micros {
                 match limit.algorithm {
                     $(
-                        Kind::$kind => {
+                        Algorithm::$kind => {
                             let mut own = match state.take() {
                                 Some(KeyState::$kind(own)) => own,
                                 _ => Default::default(),
@@ -120,7 +120,7 @@ macro_rules! expand {
                 }
             }
 
-            /// See [`Algorithm::heap_bytes`].
+            /// See [`Arithmetic::heap_bytes`].
             pub fn heap_bytes(&self) -> usize {
                 match self {
                     $(KeyState::$kind(state) => $module::$kind::heap_bytes(state),)+
@@ -128,51 +128,51 @@ macro_rules! expand {
             }
         }
 
-        impl Kind {
+        impl Algorithm {
             /// The Lua twin's source: a chunk that returns the algorithm's table of
             /// functions (see `backend::redis::twins`).
             pub fn lua(self) -> &'static str {
                 match self {
                     $(
-                        Kind::$kind => {
+                        Algorithm::$kind => {
                             include_str!(concat!("../../lua/", stringify!($module), ".lua"))
                         }
                     )+
                 }
             }
 
-            /// See [`Algorithm::BURST`].
+            /// See [`Arithmetic::BURST`].
             pub fn takes_burst(self) -> bool {
                 match self {
-                    $(Kind::$kind => $module::$kind::BURST,)+
+                    $(Algorithm::$kind => $module::$kind::BURST,)+
                 }
             }
 
-            /// See [`Algorithm::BATCHES`].
+            /// See [`Arithmetic::BATCHES`].
             pub fn batches(self) -> bool {
                 match self {
-                    $(Kind::$kind => $module::$kind::BATCHES,)+
+                    $(Algorithm::$kind => $module::$kind::BATCHES,)+
                 }
             }
 
-            /// See [`Algorithm::MAX_LIMIT`].
+            /// See [`Arithmetic::MAX_LIMIT`].
             pub fn max_limit(self) -> Option<u32> {
                 match self {
-                    $(Kind::$kind => $module::$kind::MAX_LIMIT,)+
+                    $(Algorithm::$kind => $module::$kind::MAX_LIMIT,)+
                 }
             }
 
-            /// See [`Algorithm::batch_lapse`].
+            /// See [`Arithmetic::batch_lapse`].
             pub fn batch_lapse(self, limit: &Limit, units: u64) -> Option<Micros> {
                 match self {
-                    $(Kind::$kind => $module::$kind::batch_lapse(limit, units),)+
+                    $(Algorithm::$kind => $module::$kind::batch_lapse(limit, units),)+
                 }
             }
 
-            /// See [`Algorithm::IN_FLIGHT`].
+            /// See [`Arithmetic::IN_FLIGHT`].
             pub fn in_flight(self) -> bool {
                 match self {
-                    $(Kind::$kind => $module::$kind::IN_FLIGHT,)+
+                    $(Algorithm::$kind => $module::$kind::IN_FLIGHT,)+
                 }
             }
         }
@@ -187,7 +187,7 @@ pub(crate) fn window_micros(limit: &Limit) -> Micros {
 
 /// Check, and commit what is admitted: one hit as a backend applies it (for the tests).
 #[cfg(test)]
-pub(crate) fn run<A: Algorithm>(
+pub(crate) fn run<A: Arithmetic>(
     state: &mut A::State,
     limit: &Limit,
     now: Micros,

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Algorithm, Micros, clamp_u32, window_micros};
+use super::{Arithmetic, Micros, clamp_u32, window_micros};
 use crate::decision::{Cost, Outcome};
 use crate::decision::limit::Limit;
 
@@ -56,7 +56,7 @@ impl State {
     }
 }
 
-impl Algorithm for SlidingWindow {
+impl Arithmetic for SlidingWindow {
     type State = State;
     /// One log entry per admission.
     const MAX_LIMIT: Option<u32> = Some(10_000);
@@ -125,14 +125,14 @@ impl Algorithm for SlidingWindow {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;
 
     fn limit(n: u32) -> Limit {
         Limit {
-            algorithm: Kind::SlidingWindow,
+            algorithm: Algorithm::SlidingWindow,
             ..Limit::fixed(n, Unit::Second)
         }
     }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Micros, window_micros};
+use super::{Arithmetic, Micros, window_micros};
 use crate::decision::{Cost, Outcome};
 use crate::decision::limit::Limit;
 
@@ -28,7 +28,7 @@ fn emission_interval(limit: &Limit) -> Option<f64> {
         .then(|| window_micros(limit) as f64 / f64::from(limit.requests_per_unit))
 }
 
-impl Algorithm for TokenBucket {
+impl Arithmetic for TokenBucket {
     type State = State;
     const BURST: bool = true;
     const BATCHES: bool = true;
@@ -83,7 +83,7 @@ impl Algorithm for TokenBucket {
 mod tests {
     use super::*;
     use crate::algorithm::MICROS_PER_SECOND;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
 
     const T0: Micros = 1_700_000_000 * MICROS_PER_SECOND;
     const SEC: Micros = MICROS_PER_SECOND;
@@ -92,7 +92,7 @@ mod tests {
         Limit {
             requests_per_unit: rate,
             unit,
-            algorithm: Kind::TokenBucket,
+            algorithm: Algorithm::TokenBucket,
             burst,
             window: unit.seconds(),
             quota_lease: 0,

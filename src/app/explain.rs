@@ -221,7 +221,7 @@ fn describe(out: &mut String, rule: &Rule) {
 fn limit_text(limit: &Limit) -> String {
     if limit.algorithm.in_flight() {
         return format!(
-            "{} in flight, concurrency, a lease held at most {}s",
+            "{} in flight, concurrency, a permit held at most {}s",
             limit.requests_per_unit, limit.window
         );
     }

@@ -35,7 +35,7 @@ use crate::decision::FailurePolicy;
 use crate::edge;
 use crate::edge::admin::{self, Admin, InFlight};
 use crate::edge::connections::{self, Handshake, Port};
-use crate::edge::grpc::{Edge, Places, ShouldRateLimitLayer};
+use crate::edge::grpc::{CallCaps, CallHandler, ShouldRateLimitLayer};
 use crate::edge::health::{Health, Requirements};
 use crate::edge::layers::GrpcMetricsLayer;
 use crate::ops::mapper::Mapper;
@@ -288,7 +288,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         over_limit_entries: args
             .local_cache_size_in_bytes
             .map_or(args.local_cache_entries, |bytes| bytes / 256),
-        lease_pools: MAX_LEASE_POOLS,
+        max_leases: MAX_LEASE_POOLS,
     };
     match backend {
         BackendKind::Memory => {
@@ -475,10 +475,10 @@ async fn run<B: Backend>(
         grace: args.grpc_max_connection_age_grace,
     };
     // What `ShouldRateLimit` is answered with, on every connection of every serving thread.
-    let edge = Arc::new(Edge::new(
+    let edge = Arc::new(CallHandler::new(
         limiter.clone(),
         args.max_message_bytes,
-        Places {
+        CallCaps {
             in_flight: in_flight.clone(),
             per_peer: args.max_in_flight_per_peer,
             costly,

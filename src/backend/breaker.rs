@@ -1,7 +1,8 @@
 //! A circuit breaker around a backend: after K consecutive failures it opens and fails calls
 //! at once, without touching the backend, so a dead or frozen Redis costs no request its full
 //! timeout; it lets one probe through after a backoff that doubles up to a maximum, and closes
-//! on the first success.
+//! on the first success. Not a breaker crate: those count every error, where this one counts
+//! only evidence against the backend (below).
 //!
 //! Only evidence that the backend fails counts, because any client can produce the rest: an
 //! error the backend reported (a refused connection, an error reply), or no answer within the

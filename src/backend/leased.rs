@@ -14,63 +14,63 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::decision::bounded::Room;
+use crate::decision::bounded::Capacity;
 use crate::decision::limit::Limit;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 
 /// Units granted by Redis, not yet spent by this instance.
-struct Pool {
+struct Lease {
     units: u64,
     lapses: Instant,
     limit: Limit,
 }
 
-/// When a pool lapses, or `None` once it is spent: it may go then.
-fn expiry(pool: &Pool) -> Option<Instant> {
-    (pool.units > 0).then_some(pool.lapses)
+/// When a lease lapses, or `None` once it is spent: it may go then.
+fn expiry(lease: &Lease) -> Option<Instant> {
+    (lease.units > 0).then_some(lease.lapses)
 }
 
 #[derive(Default)]
-struct Pools {
-    by_key: HashMap<String, Pool>,
-    room: Room,
+struct Leases {
+    by_key: HashMap<String, Lease>,
+    capacity: Capacity,
 }
 
 pub struct Leased<B> {
     inner: B,
-    pools: Mutex<Pools>,
-    /// Bounds the pools kept (one per leased key in use).
-    max_pools: usize,
+    leases: Mutex<Leases>,
+    /// Bounds the leases kept (one per leased key in use).
+    max_leases: usize,
 }
 
 impl<B: Backend> Leased<B> {
-    pub fn new(inner: B, max_pools: usize) -> Leased<B> {
+    pub fn new(inner: B, max_leases: usize) -> Leased<B> {
         Leased {
             inner,
-            pools: Mutex::default(),
-            max_pools,
+            leases: Mutex::default(),
+            max_leases,
         }
     }
 
-    fn pools(&self) -> std::sync::MutexGuard<'_, Pools> {
-        self.pools.lock().unwrap_or_else(PoisonError::into_inner)
+    fn leases(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Spend `hit` from this instance's pool, if it holds enough.
+    /// Spend `hit` from this instance's lease, if it holds enough.
     fn spend(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
-        let mut pools = self.pools();
-        let pool = pools.by_key.get_mut(&hit.key)?;
-        if pool.limit != hit.limit || now >= pool.lapses || pool.units < hit.hits {
+        let mut leases = self.leases();
+        let lease = leases.by_key.get_mut(&hit.key)?;
+        if lease.limit != hit.limit || now >= lease.lapses || lease.units < hit.units {
             return None;
         }
-        pool.units -= hit.hits;
+        lease.units -= hit.units;
         let outcome = Outcome {
             admitted: true,
-            remaining: u32::try_from(pool.units).unwrap_or(u32::MAX),
-            reset_after: pool.lapses - now,
+            remaining: u32::try_from(lease.units).unwrap_or(u32::MAX),
+            reset_after: lease.lapses - now,
         };
-        if pool.units == 0 {
-            pools.room.clear();
+        if lease.units == 0 {
+            leases.capacity.clear();
         }
         Some(outcome)
     }
@@ -81,14 +81,20 @@ impl<B: Backend> Leased<B> {
             Some(lapse) => Duration::from_micros(lapse).min(granted.reset_after),
             None => granted.reset_after,
         };
-        let pool = Pool {
+        let lease = Lease {
             units,
             lapses: now + lapse,
             limit,
         };
-        let mut pools = self.pools();
-        let Pools { by_key, room } = &mut *pools;
-        room.insert(by_key, self.max_pools, (hit.key.clone(), pool), now, expiry);
+        let mut leases = self.leases();
+        let Leases { by_key, capacity } = &mut *leases;
+        capacity.insert(
+            by_key,
+            self.max_leases,
+            (hit.key.clone(), lease),
+            now,
+            expiry,
+        );
     }
 }
 
@@ -98,8 +104,8 @@ fn leasable(hits: &[Hit]) -> Option<&Hit> {
         [hit]
             if hit.limit.quota_lease > 1
                 && hit.role == Role::Enforce
-                && hit.hits > 0
-                && hit.lease.is_none() =>
+                && hit.units > 0
+                && hit.permit.is_none() =>
         {
             Some(hit)
         }
@@ -113,7 +119,7 @@ impl<B: Backend> Backend for Leased<B> {
         hits: &[Hit],
         charging: Charging,
     ) -> Result<Vec<Outcome>, BackendError> {
-        // A call that charges nothing must not take units for a pool.
+        // A call that charges nothing must not take units for a lease.
         let Some(hit) = leasable(hits).filter(|_| charging != Charging::Nothing) else {
             return self.inner.evaluate(hits, charging).await;
         };
@@ -122,14 +128,14 @@ impl<B: Backend> Backend for Leased<B> {
             return Ok(vec![outcome]);
         }
         // Take a lease: the request's own units and the rest of the lease at once.
-        let lease = u64::from(hit.limit.quota_lease).max(hit.hits);
+        let take = u64::from(hit.limit.quota_lease).max(hit.units);
         let taking = Hit {
-            hits: lease,
+            units: take,
             ..hit.clone()
         };
         let granted = self.inner.evaluate(&[taking], charging).await?;
         if let Some(outcome) = granted.first().filter(|o| o.admitted) {
-            self.keep(hit, lease - hit.hits, outcome, now);
+            self.keep(hit, take - hit.units, outcome, now);
             return Ok(granted);
         }
         // Less than a lease is left: ask for the request's own units only.
@@ -152,8 +158,8 @@ mod tests {
     use crate::decision::limit::Unit;
 
     #[tokio::test]
-    async fn a_full_set_of_pools_makes_room_once_a_pool_is_spent_or_lapses() {
-        // Two pools at most; leases of 10 from a limit of 100 per second.
+    async fn a_full_set_of_leases_makes_room_once_a_lease_is_spent_or_lapses() {
+        // Two leases at most; leases of 10 from a limit of 100 per second.
         let leased = Leased::new(MemoryBackend::new(100, DEFAULT_MAX_BYTES), 2);
         let limit = Limit {
             quota_lease: 10,
@@ -163,9 +169,9 @@ mod tests {
             let hit = Hit {
                 key: key.into(),
                 limit,
-                hits: 1,
+                units: 1,
                 role: Role::Enforce,
-                lease: None,
+                permit: None,
             };
             let leased = &leased;
             async move {
@@ -181,11 +187,11 @@ mod tests {
             .subsec_nanos();
         tokio::time::sleep(Duration::from_nanos(u64::from(1_050_000_000 - into))).await;
         // Each answer: from the backend (the limit's remaining after a lease of 10), or from
-        // this instance's pool (the pool's units left).
+        // this instance's lease (the lease's units left).
         let rows: [(&str, u32); 16] = [
             ("a", 90),
             ("b", 90),
-            // Both pools live: c's lease is taken but not kept, twice.
+            // Both leases live: c's lease is taken but not kept, twice.
             ("c", 90),
             ("c", 80),
             ("a", 8),
@@ -196,7 +202,7 @@ mod tests {
             ("a", 3),
             ("a", 2),
             ("a", 1),
-            // a's pool is spent: c's next lease takes its place.
+            // a's lease is spent: c's next lease takes its place.
             ("a", 0),
             ("c", 70),
             ("c", 8),
@@ -209,6 +215,6 @@ mod tests {
         assert_eq!(remaining("d").await, 90);
         tokio::time::sleep(Duration::from_millis(1_100)).await;
         assert_eq!(remaining("d").await, 90, "a new window");
-        assert_eq!(remaining("d").await, 8, "from d's pool");
+        assert_eq!(remaining("d").await, 8, "from d's lease");
     }
 }

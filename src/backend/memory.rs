@@ -1,27 +1,16 @@
 //! The embedded backend: limit state in this process, exact for one instance.
 //!
-//! State is split over shards, each a mutex around a map; a request locks the shards of its
-//! keys in ascending order (so two requests can never deadlock), checks every hit, then
-//! charges. Locks are held for microseconds and never across an await. Expired state is
-//! equivalent to fresh state, so it is dropped lazily and by a periodic sweep, and caps on
-//! live keys and on their bytes bound memory whatever keys clients invent: a count alone
-//! would let long keys (a descriptor is up to a few KiB) cost a hundred times more. A key's
-//! bytes include its state's, which for a sliding window's log or a concurrency limit's
-//! leases grows with admissions.
+//! State is split over stripes, each a mutex around a map; a request locks its keys' stripes
+//! in ascending order (no deadlock), checks every hit, then charges, never across an await.
+//! Expired state is dropped lazily and by a sweep, and caps on live keys and on their bytes
+//! (state included: a sliding window's log, a concurrency limit's permits) bound memory
+//! whatever keys clients invent.
 //!
-//! A full shard makes room by eviction, as in-process limiters and caches do, instead of
-//! failing: a failure would be answered by the failure policy (by default an error, which
-//! Envoy lets through), so one client inventing keys could switch limiting off for everyone
-//! else's new keys. Eviction samples a few entries (Redis's approximated LRU) and drops an
-//! expired one if any, else the least recently used, never a key of the request being
-//! decided. Recency is what a flooding client cannot borrow: its invented keys are each used
-//! once, while a key in real use, above all one being refused, is touched by every request.
-//! Expiry would be the wrong measure, since clients choose it (a year-long override outlives
-//! every real rule's window). What eviction gives up: an evicted key's count restarts from
-//! zero, which happens only while keys are being created faster than the cap holds them.
-//! A shard always takes the keys of the request being decided, so when the cap is smaller than
-//! one request's keys it holds those alone: the cap can be exceeded by at most one request's
-//! keys per shard, and the backend never answers `backend_full`.
+//! A full stripe evicts rather than fails: a failure gets the failure policy's answer
+//! (usually letting the request through), so one client inventing keys would switch limiting
+//! off for everyone. Eviction samples a few entries and drops an expired one, else the least
+//! recently used (recency is what a flood of keys used once cannot borrow), never a key of
+//! the request being decided; an evicted key's count restarts.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -36,7 +25,7 @@ use super::Backend;
 use crate::algorithm::{KeyState, Micros};
 use crate::decision::{BackendError, Charging, Hit, Outcome};
 
-const SHARDS: usize = 64;
+const STRIPES: usize = 64;
 
 /// Default cap on live keys.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -67,7 +56,7 @@ struct Entry {
     /// When a request last checked or charged it: what eviction keeps.
     used_at: Micros,
     /// The bytes it is accounted as of its last commit: its key's and what its state holds
-    /// on the heap (a sliding window's log, a concurrency limit's leases), which grows with
+    /// on the heap (a sliding window's log, a concurrency limit's permits), which grows with
     /// admissions, so a cap on bytes must count it.
     bytes: usize,
 }
@@ -84,15 +73,15 @@ impl Entry {
     }
 }
 
-/// One shard's entries, and the bytes they are accounted. An index map, so that eviction
+/// One stripe's entries, and the bytes they are accounted. An index map, so that eviction
 /// can sample entries at random in constant time.
 #[derive(Default)]
-struct Shard {
+struct Stripe {
     entries: IndexMap<String, Entry>,
     bytes: usize,
 }
 
-impl Shard {
+impl Stripe {
     /// The entry for `key`, marked as used at `now`.
     fn touch(&mut self, key: &str, now: Micros) -> Option<&Entry> {
         let entry = self.entries.get_mut(key)?;
@@ -113,22 +102,22 @@ impl Shard {
         self.bytes -= freed;
     }
 
-    /// Evict entries until `room` fits in `max_keys` and `max_bytes`, sparing the keys
+    /// Evict entries until `growth` fits in `max_keys` and `max_bytes`, sparing the keys
     /// `spared` holds. Returns how many were evicted.
     fn make_room(
         &mut self,
-        room: Room,
+        growth: Growth,
         (max_keys, max_bytes): (usize, usize),
         spared: impl Fn(&str) -> bool,
         now: Micros,
     ) -> u64 {
-        let (keys, bytes) = match room {
-            Room::NewKey(bytes) => (1, bytes),
-            Room::Grown => (0, 0),
+        let (keys, bytes) = match growth {
+            Growth::NewKey(bytes) => (1, bytes),
+            Growth::Grown => (0, 0),
         };
         let mut evicted = 0;
         while self.entries.len() + keys > max_keys || self.bytes + bytes > max_bytes {
-            // None: every entry left is spared, so the shard holds only the request's keys.
+            // None: every entry left is spared, so the stripe holds only the request's keys.
             let Some(victim) = self.victim(&spared, now) else {
                 break;
             };
@@ -142,7 +131,7 @@ impl Shard {
 
     /// The position of the entry to evict: among a random sample of entries not spared, an
     /// expired one, else the least recently used. Should the sample hold only spared entries
-    /// (the request's own keys fill the shard), the first entry not spared.
+    /// (the request's own keys fill the stripe), the first entry not spared.
     fn victim(&self, spared: impl Fn(&str) -> bool, now: Micros) -> Option<usize> {
         let len = self.entries.len();
         if len == 0 {
@@ -172,11 +161,11 @@ fn check_any(entry: Option<&Entry>, hit: &Hit, now: Micros) -> Outcome {
     )
 }
 
-/// What a shard must make room for.
-enum Room {
+/// What a stripe must make room for.
+enum Growth {
     /// A key not yet held, of these bytes.
     NewKey(usize),
-    /// A key held whose state grew, already counted in the shard's bytes.
+    /// A key held whose state grew, already counted in the stripe's bytes.
     Grown,
 }
 
@@ -188,10 +177,10 @@ fn commit_any(entry: &mut Entry, hit: &Hit, now: Micros) {
     entry.bytes = entry_bytes(&hit.key) + entry.state.as_ref().map_or(0, KeyState::heap_bytes);
 }
 
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+fn lock(stripe: &Mutex<Stripe>) -> MutexGuard<'_, Stripe> {
     // Entries are updated in place by plain arithmetic that cannot panic halfway, so a
     // poisoned lock still guards consistent data.
-    shard.lock().unwrap_or_else(PoisonError::into_inner)
+    stripe.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 pub fn now_micros() -> Micros {
@@ -203,10 +192,10 @@ pub fn now_micros() -> Micros {
 /// In-process limit state. Cheap to clone: clones share the state.
 #[derive(Clone)]
 pub struct MemoryBackend {
-    shards: Arc<[Mutex<Shard>]>,
+    stripes: Arc<[Mutex<Stripe>]>,
     hasher: RandomState,
-    max_keys_per_shard: usize,
-    max_bytes_per_shard: usize,
+    max_keys_per_stripe: usize,
+    max_bytes_per_stripe: usize,
     evictions: Counter,
 }
 
@@ -214,10 +203,10 @@ impl MemoryBackend {
     /// At most `max_keys` live keys taking at most `max_bytes` (as `entry_bytes` counts).
     pub fn new(max_keys: usize, max_bytes: usize) -> MemoryBackend {
         MemoryBackend {
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            stripes: (0..STRIPES).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
-            max_keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
-            max_bytes_per_shard: max_bytes.div_ceil(SHARDS),
+            max_keys_per_stripe: max_keys.div_ceil(STRIPES).max(1),
+            max_bytes_per_stripe: max_bytes.div_ceil(STRIPES),
             evictions: Counter::noop(),
         }
     }
@@ -230,38 +219,37 @@ impl MemoryBackend {
     /// The bytes live keys are accounted, up to `max_bytes`.
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).bytes).sum()
+        self.stripes.iter().map(|s| lock(s).bytes).sum()
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        self.hasher.hash_one(key) as usize % SHARDS
+    fn stripe_of(&self, key: &str) -> usize {
+        self.hasher.hash_one(key) as usize % STRIPES
     }
 
-    fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[index])
+    fn lock(&self, index: usize) -> MutexGuard<'_, Stripe> {
+        lock(&self.stripes[index])
     }
 
-    /// Sweep every shard once per `period`, one shard at a time, until the backend is
-    /// dropped. Spread out, because a sweep is a pass over every entry: all shards at once
-    /// kept a thread busy 1.9 ms at 100 000 keys and 5.4 ms at about 800 000, which a thread
-    /// serving calls on the same CPU waited out; one shard is a sixty-fourth of that.
+    /// Sweep every stripe once per `period`, one stripe at a time, until the backend is
+    /// dropped. Spread out, because a sweep is a pass over every entry, which calls served on
+    /// the same CPU wait out: one stripe at a time keeps each pass short.
     pub fn spawn_sweeper(&self, period: Duration) {
-        let shards = Arc::downgrade(&self.shards);
+        let stripes = Arc::downgrade(&self.stripes);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period / SHARDS as u32);
+            let mut tick = tokio::time::interval(period / STRIPES as u32);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            for next in (0..SHARDS).cycle() {
+            for next in (0..STRIPES).cycle() {
                 tick.tick().await;
-                let Some(shards) = shards.upgrade() else {
+                let Some(stripes) = stripes.upgrade() else {
                     return;
                 };
-                lock(&shards[next]).sweep(now_micros());
+                lock(&stripes[next]).sweep(now_micros());
             }
         });
     }
 
     /// Evaluate synchronously: the whole work is a few map operations under locks. It never
-    /// fails: a full shard evicts.
+    /// fails: a full stripe evicts.
     ///
     /// Hits are judged in order, each seeing the charges of the ones before it (a key met
     /// again in the request is judged on a scratch copy that holds them); then, if the
@@ -272,25 +260,25 @@ impl MemoryBackend {
         charging: Charging,
         now: Micros,
     ) -> Result<Vec<Outcome>, BackendError> {
-        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.hits > 0);
-        // One hit (one descriptor, one limit) is the common call: it needs one shard and none
-        // of the bookkeeping below, whose vectors were most of this step's allocations.
+        let writes = |h: &Hit, v: &Outcome| h.releases() || (v.admitted && h.units > 0);
+        // One hit (one descriptor, one limit) is the common call: it needs one stripe and none
+        // of the bookkeeping below and its allocations.
         if let [hit] = hits {
-            let mut shard = self.lock(self.shard_of(&hit.key));
-            let verdict = check_any(shard.touch(&hit.key, now), hit, now);
+            let mut stripe = self.lock(self.stripe_of(&hit.key));
+            let verdict = check_any(stripe.touch(&hit.key, now), hit, now);
             let verdicts = vec![verdict];
             if hit.releases() || (charging.charges(hits, &verdicts) && writes(hit, &verdict)) {
-                self.charge(&mut shard, hit, hits, now);
+                self.charge(&mut stripe, hit, hits, now);
             }
             return Ok(verdicts);
         }
-        let shard_of: Vec<usize> = hits.iter().map(|h| self.shard_of(&h.key)).collect();
-        let mut order = shard_of.clone();
+        let stripe_of: Vec<usize> = hits.iter().map(|h| self.stripe_of(&h.key)).collect();
+        let mut order = stripe_of.clone();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| self.lock(i)).collect();
-        // Position of each hit's shard among the held guards.
-        let held: Vec<usize> = shard_of
+        let mut guards: Vec<MutexGuard<'_, Stripe>> = order.iter().map(|&i| self.lock(i)).collect();
+        // Position of each hit's stripe among the held guards.
+        let held: Vec<usize> = stripe_of
             .iter()
             .map(|s| order.partition_point(|i| i < s))
             .collect();
@@ -303,9 +291,9 @@ impl MemoryBackend {
                 None => check_any(guards[g].touch(&h.key, now), h, now),
             };
             if writes(h, &v) && hits[i + 1..].iter().any(|later| later.key == h.key) {
-                let shard = &guards[g];
+                let stripe = &guards[g];
                 let entry = scratch.entry(&h.key).or_insert_with(|| {
-                    shard
+                    stripe
                         .entries
                         .get(&h.key)
                         .cloned()
@@ -326,16 +314,16 @@ impl MemoryBackend {
 
     /// Charge `hit`, making room for its key if it is new: the other keys of the request
     /// (`hits`) are spared, since they may be charged already or about to be.
-    fn charge(&self, shard: &mut Shard, hit: &Hit, hits: &[Hit], now: Micros) {
-        let caps = (self.max_keys_per_shard, self.max_bytes_per_shard);
+    fn charge(&self, stripe: &mut Stripe, hit: &Hit, hits: &[Hit], now: Micros) {
+        let caps = (self.max_keys_per_stripe, self.max_bytes_per_stripe);
         let spared = |key: &str| hits.iter().any(|h| h.key == key);
-        let evicted = if let Some(entry) = shard.entries.get_mut(&hit.key) {
+        let evicted = if let Some(entry) = stripe.entries.get_mut(&hit.key) {
             let before = entry.bytes;
             commit_any(entry, hit, now);
             let after = entry.bytes;
-            shard.bytes = shard.bytes - before + after;
+            stripe.bytes = stripe.bytes - before + after;
             if after > before {
-                shard.make_room(Room::Grown, caps, spared, now)
+                stripe.make_room(Growth::Grown, caps, spared, now)
             } else {
                 0
             }
@@ -343,9 +331,9 @@ impl MemoryBackend {
             let mut entry = Entry::fresh(now);
             commit_any(&mut entry, hit, now);
             let bytes = entry.bytes;
-            let evicted = shard.make_room(Room::NewKey(bytes), caps, spared, now);
-            shard.entries.insert(hit.key.clone(), entry);
-            shard.bytes += bytes;
+            let evicted = stripe.make_room(Growth::NewKey(bytes), caps, spared, now);
+            stripe.entries.insert(hit.key.clone(), entry);
+            stripe.bytes += bytes;
             evicted
         };
         self.evictions.increment(evicted);
@@ -380,8 +368,8 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Limit, Unit};
-    use crate::decision::{LeaseOp, Role};
+    use crate::decision::limit::{Algorithm, Limit, Unit};
+    use crate::decision::{PermitOp, Role};
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T0: Micros = 1_700_000_000_000_000;
@@ -390,9 +378,9 @@ mod tests {
         Hit {
             key: key.into(),
             limit,
-            hits: 1,
+            units: 1,
             role,
-            lease: None,
+            permit: None,
         }
     }
 
@@ -441,16 +429,16 @@ mod tests {
     #[test]
     fn every_algorithm_runs_on_it_and_state_expires() {
         let b = MemoryBackend::new(100, DEFAULT_MAX_BYTES);
-        for algorithm in Kind::ALL {
+        for algorithm in Algorithm::ALL {
             let limit = Limit {
                 algorithm,
                 ..Limit::fixed(1, Unit::Second)
             };
-            // Each call is a request of its own (for a concurrency limit, its own lease).
+            // Each call is a request of its own (for a concurrency limit, its own permit).
             let run = |now: Micros| {
                 let h = Hit {
-                    lease: (algorithm == Kind::Concurrency)
-                        .then(|| (LeaseOp::Acquire, format!("request-{now}"))),
+                    permit: (algorithm == Algorithm::Concurrency)
+                        .then(|| (PermitOp::Acquire, format!("request-{now}"))),
                     ..hit(algorithm.name(), limit, Role::Enforce)
                 };
                 b.evaluate_now(&[h], Charging::Atomic, now)
@@ -460,54 +448,54 @@ mod tests {
             // One second after the admission its state is gone, not a microsecond before:
             // a sweep drops it then, and the key starts afresh.
             let second = T0 + 1_000_000;
-            assert_eq!(sweep(&b.shards, second - 1), 1, "{algorithm}: still live");
-            assert_eq!(sweep(&b.shards, second), 0, "{algorithm}: expired");
+            assert_eq!(sweep(&b.stripes, second - 1), 1, "{algorithm}: still live");
+            assert_eq!(sweep(&b.stripes, second), 0, "{algorithm}: expired");
             let fresh = run(second).unwrap()[0];
             assert!(
                 fresh.admitted && fresh.remaining == 0,
                 "{algorithm}: {fresh:?}"
             );
-            assert_eq!(sweep(&b.shards, second + 1), 1, "{algorithm}: live again");
-            sweep(&b.shards, u64::MAX);
+            assert_eq!(sweep(&b.stripes, second + 1), 1, "{algorithm}: live again");
+            sweep(&b.stripes, u64::MAX);
         }
     }
 
     /// Drop every expired entry. Returns how many live entries remain.
-    fn sweep(shards: &[Mutex<Shard>], now: Micros) -> usize {
-        shards
+    fn sweep(stripes: &[Mutex<Stripe>], now: Micros) -> usize {
+        stripes
             .iter()
-            .map(|shard| {
-                let mut shard = lock(shard);
-                shard.sweep(now);
-                shard.entries.len()
+            .map(|stripe| {
+                let mut stripe = lock(stripe);
+                stripe.sweep(now);
+                stripe.entries.len()
             })
             .sum()
     }
 
     /// How many keys `b` holds.
     fn keys(b: &MemoryBackend) -> usize {
-        b.shards.iter().map(|s| lock(s).entries.len()).sum()
+        b.stripes.iter().map(|s| lock(s).entries.len()).sum()
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_sweeper_sweeps_one_shard_a_step_and_every_shard_once_a_period() {
+    async fn the_sweeper_sweeps_one_stripe_a_step_and_every_stripe_once_a_period() {
         let b = MemoryBackend::new(10_000, DEFAULT_MAX_BYTES);
-        // State that expired long ago (T0 is in 2023), in every shard.
+        // State that expired long ago (T0 is in 2023), in every stripe.
         let limit = Limit::fixed(1, Unit::Second);
         for n in 0..1_000 {
             let h = hit(&format!("key-{n}"), limit, Role::Enforce);
             b.evaluate_now(&[h], Charging::Atomic, T0).unwrap();
         }
-        let per_shard: Vec<usize> = b.shards.iter().map(|s| lock(s).entries.len()).collect();
-        assert!(per_shard.iter().all(|&n| n > 0), "{per_shard:?}");
+        let per_stripe: Vec<usize> = b.stripes.iter().map(|s| lock(s).entries.len()).collect();
+        assert!(per_stripe.iter().all(|&n| n > 0), "{per_stripe:?}");
         let period = Duration::from_millis(640);
-        let step = period / SHARDS as u32;
+        let step = period / STRIPES as u32;
         b.spawn_sweeper(period);
-        // Half a step after each of the sweeper's steps (the first is at once): the shards
+        // Half a step after each of the sweeper's steps (the first is at once): the stripes
         // swept so far are empty, the others untouched.
         tokio::time::sleep(step / 2).await;
-        for swept in 1..=SHARDS {
-            let left: usize = per_shard[swept..].iter().sum();
+        for swept in 1..=STRIPES {
+            let left: usize = per_stripe[swept..].iter().sum();
             assert_eq!(keys(&b), left, "after {swept} steps");
             tokio::time::sleep(step).await;
         }
@@ -547,7 +535,7 @@ mod tests {
             (&[], &[], None),
         ];
         for (entries, spared, evicted) in rows {
-            let mut shard = Shard::default();
+            let mut stripe = Stripe::default();
             for &(key, expires_at, used_at) in entries {
                 let entry = Entry {
                     state: None,
@@ -555,10 +543,10 @@ mod tests {
                     used_at,
                     bytes: 0,
                 };
-                shard.entries.insert(key.into(), entry);
+                stripe.entries.insert(key.into(), entry);
             }
-            let victim = shard.victim(|k| spared.contains(&k), NOW);
-            let key = victim.map(|i| shard.entries.get_index(i).unwrap().0.as_str());
+            let victim = stripe.victim(|k| spared.contains(&k), NOW);
+            let key = victim.map(|i| stripe.entries.get_index(i).unwrap().0.as_str());
             assert_eq!(key, evicted, "{entries:?} sparing {spared:?}");
         }
     }
@@ -570,17 +558,17 @@ mod tests {
         // use is the one eviction keeps (admitted 3 times, then refused).
         let flood = Limit::fixed(10, Unit::Year);
         let victim = hit("victim", Limit::fixed(3, Unit::Minute), Role::Enforce);
-        let capped_bytes = SHARDS * 10 * entry_bytes(&"k".repeat(4096));
+        let capped_bytes = STRIPES * 10 * entry_bytes(&"k".repeat(4096));
         // (what is capped, max keys, max bytes, flood keys' length)
         for (cap, max_keys, max_bytes, len) in [
-            ("keys", SHARDS * 10, DEFAULT_MAX_BYTES, 16),
+            ("keys", STRIPES * 10, DEFAULT_MAX_BYTES, 16),
             ("bytes", DEFAULT_MAX_KEYS, capped_bytes, 4096),
         ] {
             let evicted = Arc::new(AtomicU64::new(0));
             let b = MemoryBackend::new(max_keys, max_bytes)
                 .counting_evictions(Counter::from_arc(evicted.clone()));
             let mut victim_admitted = Vec::new();
-            let flooded = SHARDS * 10 * 10;
+            let flooded = STRIPES * 10 * 10;
             for i in 0..flooded {
                 let now = T0 + 2 * i as Micros;
                 let h = hit(&format!("{i:0len$}"), flood, Role::Enforce);
@@ -610,9 +598,9 @@ mod tests {
     }
 
     #[test]
-    fn a_request_keeps_its_own_keys_when_they_overflow_a_shard() {
-        // One key per shard, and a request of 200 keys: none is evicted for another, so all
-        // are charged, and the shards are over their cap by that request's keys until their
+    fn a_request_keeps_its_own_keys_when_they_overflow_a_stripe() {
+        // One key per stripe, and a request of 200 keys: none is evicted for another, so all
+        // are charged, and the stripes are over their cap by that request's keys until their
         // next new key.
         let b = MemoryBackend::new(1, DEFAULT_MAX_BYTES);
         let limit = Limit::fixed(2, Unit::Day);
@@ -629,15 +617,15 @@ mod tests {
             let h = hit(&format!("narrow-{i}"), limit, Role::Enforce);
             assert!(b.evaluate_now(&[h], Charging::Atomic, now).unwrap()[0].admitted);
         }
-        assert_eq!(keys(&b), SHARDS, "each shard back to its one key");
+        assert_eq!(keys(&b), STRIPES, "each stripe back to its one key");
     }
 
     #[test]
     fn state_that_grows_with_admissions_counts_against_the_byte_cap() {
-        // 64 KiB over 64 shards: 1 KiB each. 200 short keys, each admitted 100 times: a
-        // sliding window's log then holds 100 entries, a concurrency limit 100 leases of
-        // 32-byte names, more than a shard's share either way. Counted by their keys alone
-        // all 200 would stay (some 40 KiB); counted with their state, each shard keeps only
+        // 64 KiB over 64 stripes: 1 KiB each. 200 short keys, each admitted 100 times: a
+        // sliding window's log then holds 100 entries, a concurrency limit 100 permits of
+        // 32-byte names, more than a stripe's share either way. Counted by their keys alone
+        // all 200 would stay (some 40 KiB); counted with their state, each stripe keeps only
         // its latest key, whose own count is intact.
         let max = 64 << 10;
         let now = now_micros();
@@ -647,12 +635,12 @@ mod tests {
         };
         // (algorithm, the n-th hit on a key)
         type Nth = fn(&str, Limit, usize) -> Hit;
-        let rows: [(Kind, Nth); 2] = [
-            (Kind::SlidingWindow, |key, limit, _| {
+        let rows: [(Algorithm, Nth); 2] = [
+            (Algorithm::SlidingWindow, |key, limit, _| {
                 hit(key, limit, Role::Enforce)
             }),
-            (Kind::Concurrency, |key, limit, n| Hit {
-                lease: Some((LeaseOp::Acquire, format!("{n:032}"))),
+            (Algorithm::Concurrency, |key, limit, n| Hit {
+                permit: Some((PermitOp::Acquire, format!("{n:032}"))),
                 ..hit(key, limit, Role::Enforce)
             }),
         ];
@@ -665,10 +653,10 @@ mod tests {
                     assert!(b.evaluate_now(&[h], Charging::Atomic, now).unwrap()[0].admitted);
                 }
             }
-            assert!(keys(&b) <= SHARDS, "{algorithm:?}: {} keys kept", keys(&b));
+            assert!(keys(&b) <= STRIPES, "{algorithm:?}: {} keys kept", keys(&b));
             assert!(
                 b.bytes() > max,
-                "{algorithm:?}: each shard holds a key over its share"
+                "{algorithm:?}: each stripe holds a key over its share"
             );
             let last = nth("key-199", limit, 100);
             let outcome = b.evaluate_now(&[last], Charging::Nothing, now).unwrap()[0];
@@ -683,12 +671,12 @@ mod tests {
 
     #[test]
     fn the_byte_cap_holds_whatever_the_key_lengths() {
-        // 64 KiB over 64 shards: 1 KiB each. Keys of 100 bytes fit several to a shard; a key
-        // of 4 KiB is more than a shard's share, so each shard keeps only its latest one.
+        // 64 KiB over 64 stripes: 1 KiB each. Keys of 100 bytes fit several to a stripe; a key
+        // of 4 KiB is more than a stripe's share, so each stripe keeps only its latest one.
         let max = 64 << 10;
         let limit = Limit::fixed(100, Unit::Day);
         let now = now_micros();
-        for (len, bound) in [(100, max), (4096, SHARDS * entry_bytes(&"k".repeat(4096)))] {
+        for (len, bound) in [(100, max), (4096, STRIPES * entry_bytes(&"k".repeat(4096)))] {
             let b = MemoryBackend::new(1_000_000, max);
             let key = |i: usize| format!("{i:0len$}");
             for i in 0..2_000 {
@@ -699,7 +687,7 @@ mod tests {
             assert!(b.bytes() > bound / 2, "{len}: the cap is not far too tight");
             let known = (0..2_000)
                 .find(|&i| {
-                    lock(&b.shards[b.shard_of(&key(i))])
+                    lock(&b.stripes[b.stripe_of(&key(i))])
                         .entries
                         .contains_key(&key(i))
                 })

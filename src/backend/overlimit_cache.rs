@@ -1,18 +1,15 @@
 //! The over-limit cache: when the backend refuses a hit until time T, later hits on the same
-//! key are refused locally until T, without a round trip. A hot key that is over its limit
-//! (the usual shape of abuse) then costs Redis nothing.
+//! key are refused locally until T, without a round trip, so a hot key over its limit (the
+//! usual shape of abuse) costs Redis nothing.
 //!
-//! It can only refuse, never admit, so it cannot let through anything Redis would refuse. A
-//! cached refusal holds only for the same limit (a reload or a request override that changes
-//! the limit bypasses it: a raised override is honoured at once) and for hits costing at least
-//! as much as the refused one; reads (cost 0) always go to the backend.
+//! It only refuses, for the same limit and a cost at least as large, so it lets through
+//! nothing Redis would refuse; and a cached refusal is answered even while the backend fails,
+//! since a certain refusal must not turn into an error. What must reach the backend whatever
+//! the verdict still goes: permits given back, and per-descriptor charges.
 //!
-//! A cached refusal refuses its request, so the request is answered at once, even while the
-//! backend is failing: a certain refusal must not turn into an error (which Envoy usually
-//! lets through). Its other hits are not asked (a refused request charges nothing, so they
-//! are reported untouched: admitted, nothing known spent), except what must reach the backend
-//! whatever the verdict: leases given back, and under per-descriptor charging the other hits'
-//! charges. If that call fails, the refusal still stands.
+//! Not a cache crate (moka, quick_cache): an entry matches only the same limit and a cost at
+//! least as large, and a full cache turns new refusals away instead of evicting live ones
+//! (`decision::bounded`), on the call path of every hot key.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -20,38 +17,39 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::Backend;
-use crate::decision::bounded::Room;
+use crate::decision::bounded::Capacity;
 use crate::decision::limit::Limit;
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 use crate::ops::metrics::Metrics;
 
-const SHARDS: usize = 16;
+const STRIPES: usize = 16;
 
 #[derive(Clone, Copy)]
 struct Refusal {
     until: Instant,
     limit: Limit,
-    hits: u64,
+    units: u64,
 }
 
+/// One stripe of the cache: its refusals by key, behind their own lock.
 #[derive(Default)]
-struct Shard {
+struct Refusals {
     by_key: HashMap<String, Refusal>,
-    room: Room,
+    capacity: Capacity,
 }
 
 pub struct OverLimitCache<B> {
     inner: B,
-    shards: Vec<Mutex<Shard>>,
+    stripes: Vec<Mutex<Refusals>>,
     hasher: RandomState,
-    max_per_shard: usize,
+    max_per_stripe: usize,
     metrics: Arc<Metrics>,
 }
 
 /// Refusals that hold until their reset: enforced, charging hits; not concurrency limits,
-/// whose leases can come back at any moment.
+/// whose permits can come back at any moment.
 fn cacheable(hit: &Hit) -> bool {
-    hit.role == Role::Enforce && hit.hits > 0 && !hit.limit.algorithm.in_flight()
+    hit.role == Role::Enforce && hit.units > 0 && !hit.limit.algorithm.in_flight()
 }
 
 /// A hit of a refused request that the backend was not asked about: it charged nothing, and
@@ -69,36 +67,36 @@ impl<B: Backend> OverLimitCache<B> {
     pub fn new(inner: B, max_entries: usize, metrics: Arc<Metrics>) -> OverLimitCache<B> {
         OverLimitCache {
             inner,
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            stripes: (0..STRIPES).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
-            max_per_shard: max_entries.div_ceil(SHARDS),
+            max_per_stripe: max_entries.div_ceil(STRIPES),
             metrics,
         }
     }
 
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
-        self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    fn stripe(&self, key: &str) -> std::sync::MutexGuard<'_, Refusals> {
+        self.stripes[self.hasher.hash_one(key) as usize % STRIPES]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The cached refusal that applies to `hit` now, if any.
     fn cached(&self, hit: &Hit, now: Instant) -> Option<Outcome> {
-        if self.max_per_shard == 0 || !cacheable(hit) {
+        if self.max_per_stripe == 0 || !cacheable(hit) {
             return None;
         }
-        let refusal = *self.shard(&hit.key).by_key.get(&hit.key)?;
-        (now < refusal.until && refusal.limit == hit.limit && hit.hits >= refusal.hits).then(|| {
-            Outcome {
+        let refusal = *self.stripe(&hit.key).by_key.get(&hit.key)?;
+        (now < refusal.until && refusal.limit == hit.limit && hit.units >= refusal.units).then(
+            || Outcome {
                 admitted: false,
                 remaining: 0,
                 reset_after: refusal.until - now,
-            }
-        })
+            },
+        )
     }
 
     fn remember(&self, hit: &Hit, outcome: &Outcome, now: Instant) {
-        if self.max_per_shard == 0
+        if self.max_per_stripe == 0
             || outcome.admitted
             || !cacheable(hit)
             || outcome.reset_after.is_zero()
@@ -108,12 +106,12 @@ impl<B: Backend> OverLimitCache<B> {
         let refusal = Refusal {
             until: now + outcome.reset_after,
             limit: hit.limit,
-            hits: hit.hits,
+            units: hit.units,
         };
-        let mut shard = self.shard(&hit.key);
-        let Shard { by_key, room } = &mut *shard;
+        let mut stripe = self.stripe(&hit.key);
+        let Refusals { by_key, capacity } = &mut *stripe;
         let entry = (hit.key.clone(), refusal);
-        room.insert(by_key, self.max_per_shard, entry, now, |r| Some(r.until));
+        capacity.insert(by_key, self.max_per_stripe, entry, now, |r| Some(r.until));
     }
 }
 
@@ -192,7 +190,7 @@ impl<B: Backend> Backend for OverLimitCache<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::LeaseOp;
+    use crate::decision::PermitOp;
     use crate::decision::limit::Unit;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -226,13 +224,13 @@ mod tests {
         }
     }
 
-    fn hit(key: &str, lease: Option<LeaseOp>) -> Hit {
+    fn hit(key: &str, permit: Option<PermitOp>) -> Hit {
         Hit {
             key: key.into(),
             limit: Limit::fixed(10, Unit::Hour),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
-            lease: lease.map(|op| (op, "lease-1".into())),
+            permit: permit.map(|op| (op, "permit-1".into())),
         }
     }
 
@@ -242,20 +240,20 @@ mod tests {
     async fn a_cached_refusal_refuses_at_once_and_sends_only_what_must_be_applied() {
         let untouched = 10;
         let from_backend = 5;
-        // charging, the other hit's lease, backend down, other asked, its remaining
+        // charging, the other hit's permit, backend down, other asked, its remaining
         let rows = [
             (Charging::Atomic, None, false, false, untouched),
             (Charging::Atomic, None, true, false, untouched),
             (
                 Charging::Atomic,
-                Some(LeaseOp::Release),
+                Some(PermitOp::Release),
                 false,
                 true,
                 from_backend,
             ),
             (
                 Charging::Atomic,
-                Some(LeaseOp::Release),
+                Some(PermitOp::Release),
                 true,
                 true,
                 untouched,
@@ -263,7 +261,7 @@ mod tests {
             (Charging::PerDescriptor, None, false, true, from_backend),
             (Charging::PerDescriptor, None, true, true, untouched),
         ];
-        for (charging, lease, down, asked, remaining) in rows {
+        for (charging, permit, down, asked, remaining) in rows {
             let fake = Arc::new(Fake::default());
             let cache = OverLimitCache::new(fake.clone(), 100, Arc::new(Metrics::new(0.8, 10)));
             let hot = hit("hot", None);
@@ -272,9 +270,9 @@ mod tests {
             fake.asked.lock().unwrap().clear();
             fake.down.store(down, Ordering::SeqCst);
 
-            let row = format!("{charging:?} lease {lease:?} down {down}");
+            let row = format!("{charging:?} permit {permit:?} down {down}");
             let outcomes = cache
-                .evaluate(&[hit("other", lease), hot], charging)
+                .evaluate(&[hit("other", permit), hot], charging)
                 .await
                 .unwrap_or_else(|e| panic!("{row}: {e}"));
             assert!(!outcomes[1].admitted, "{row}: refused by the cache");

@@ -34,7 +34,7 @@ pub struct StackConfig {
     /// Refusals the over-limit cache holds at most.
     pub over_limit_entries: usize,
     /// Keys with quota leases held at once.
-    pub lease_pools: usize,
+    pub max_leases: usize,
 }
 
 pub fn memory(store: MemoryBackend, config: &StackConfig, metrics: &Arc<Metrics>) -> MemoryStack {
@@ -49,6 +49,6 @@ pub fn redis(
 ) -> RedisStack {
     let measured = Measured::new(store, metrics.clone());
     let cached = OverLimitCache::new(measured, config.over_limit_entries, metrics.clone());
-    let leased = Leased::new(cached, config.lease_pools);
+    let leased = Leased::new(cached, config.max_leases);
     Breaker::new(leased, config.breaker, metrics.clone())
 }

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 pub use matcher::{DomainRules, Miss, Rule, RuleSet};
 
 use validate::Validator;
-use yaml::{Kind, Node, Pos};
+use yaml::{Node, NodeKind, Pos};
 
 /// One problem in one config file, at the node that caused it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -266,11 +266,11 @@ impl Loader {
                 // is the reference's "empty domain" error.
                 let mut documents: Vec<Node> = documents
                     .into_iter()
-                    .filter(|d| d.kind != Kind::Null)
+                    .filter(|d| d.kind != NodeKind::Null)
                     .collect();
                 if documents.is_empty() {
                     documents.push(Node {
-                        kind: Kind::Null,
+                        kind: NodeKind::Null,
                         pos: Pos::START,
                     });
                 }

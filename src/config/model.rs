@@ -6,7 +6,7 @@
 //! yaml.v2 reads them (YAML 1.1): `key: 200` is the string "200", `yes`/`on` are booleans.
 
 use super::ConfigError;
-use super::yaml::{self, Kind, Node, Pos};
+use super::yaml::{self, Node, NodeKind, Pos};
 
 /// The reference's allow-list plus our additive `algorithm`, `burst`, `window`, `shards`,
 /// `lease` and `on_backend_error`.
@@ -106,8 +106,8 @@ pub fn parse(file: &str, document: &Node, errors: &mut Vec<ConfigError>) -> Opti
     };
     match &document.kind {
         // Validation reports the missing domain.
-        Kind::Null => {}
-        Kind::Map(entries) => {
+        NodeKind::Null => {}
+        NodeKind::Map(entries) => {
             reader.check_keys(document);
             for (key, value) in entries {
                 match string_key(key) {
@@ -139,9 +139,9 @@ pub fn parse(file: &str, document: &Node, errors: &mut Vec<ConfigError>) -> Opti
 fn json(node: &Node) -> serde_json::Value {
     use serde_json::Value;
     match &node.kind {
-        Kind::Null => Value::Null,
-        Kind::Scalar { text, plain: false } => Value::String(text.clone()),
-        Kind::Scalar { text, plain: true } => {
+        NodeKind::Null => Value::Null,
+        NodeKind::Scalar { text, plain: false } => Value::String(text.clone()),
+        NodeKind::Scalar { text, plain: true } => {
             if let Some(b) = yaml::resolve_bool(text) {
                 Value::Bool(b)
             } else if let Some(n) = yaml::resolve_int(text).and_then(|n| i64::try_from(n).ok()) {
@@ -155,13 +155,13 @@ fn json(node: &Node) -> serde_json::Value {
                 Value::String(text.clone())
             }
         }
-        Kind::Seq(items) => Value::Array(items.iter().map(json).collect()),
-        Kind::Map(entries) => Value::Object(
+        NodeKind::Seq(items) => Value::Array(items.iter().map(json).collect()),
+        NodeKind::Map(entries) => Value::Object(
             entries
                 .iter()
                 .map(|(k, v)| {
                     let key = match &k.kind {
-                        Kind::Scalar { text, .. } => text.clone(),
+                        NodeKind::Scalar { text, .. } => text.clone(),
                         _ => String::new(),
                     };
                     (key, json(v))
@@ -175,8 +175,8 @@ fn json(node: &Node) -> serde_json::Value {
 /// collection), which the reference rejects.
 fn string_key(node: &Node) -> Option<&str> {
     match &node.kind {
-        Kind::Scalar { text, plain: false } => Some(text),
-        Kind::Scalar { text, plain: true }
+        NodeKind::Scalar { text, plain: false } => Some(text),
+        NodeKind::Scalar { text, plain: true }
             if yaml::resolve_bool(text).is_none()
                 && yaml::resolve_int(text).is_none()
                 && !yaml::is_float(text) =>
@@ -200,7 +200,9 @@ impl Reader<'_> {
     /// Reports a value of the wrong type, naming it.
     fn invalid(&mut self, node: &Node, field: &str, expected: &str) {
         let message = match &node.kind {
-            Kind::Scalar { text, .. } => format!("invalid {field} '{text}' (expected {expected})"),
+            NodeKind::Scalar { text, .. } => {
+                format!("invalid {field} '{text}' (expected {expected})")
+            }
             _ => format!(
                 "invalid {field} (expected {expected}, found {})",
                 node.describe()
@@ -213,7 +215,7 @@ impl Reader<'_> {
     /// again by the typed readers below, which skip what they cannot use.
     fn check_keys(&mut self, node: &Node) {
         match &node.kind {
-            Kind::Map(entries) => {
+            NodeKind::Map(entries) => {
                 for (key, value) in entries {
                     match string_key(key) {
                         None => self.error(
@@ -232,9 +234,9 @@ impl Reader<'_> {
                     }
                 }
             }
-            Kind::Seq(items) => {
+            NodeKind::Seq(items) => {
                 for item in items {
-                    if matches!(item.kind, Kind::Map(_)) {
+                    if matches!(item.kind, NodeKind::Map(_)) {
                         self.check_keys(item);
                     } else {
                         self.error(
@@ -247,20 +249,20 @@ impl Reader<'_> {
                     }
                 }
             }
-            Kind::Scalar { .. } | Kind::Null => {}
+            NodeKind::Scalar { .. } | NodeKind::Null => {}
         }
     }
 
     fn descriptors(&mut self, node: &Node) -> Vec<DescriptorSpec> {
         match &node.kind {
-            Kind::Seq(items) => items
+            NodeKind::Seq(items) => items
                 .iter()
                 .filter_map(|item| match &item.kind {
-                    Kind::Map(entries) => Some(self.descriptor(item.pos, entries)),
+                    NodeKind::Map(entries) => Some(self.descriptor(item.pos, entries)),
                     _ => None,
                 })
                 .collect(),
-            Kind::Null => Vec::new(),
+            NodeKind::Null => Vec::new(),
             _ => {
                 self.invalid(node, "descriptors", "a list of maps");
                 Vec::new()
@@ -300,8 +302,8 @@ impl Reader<'_> {
                     self.boolean(value, name);
                 }
                 "metadata" => match &value.kind {
-                    Kind::Map(_) => spec.metadata = Some(json(value)),
-                    Kind::Null => {}
+                    NodeKind::Map(_) => spec.metadata = Some(json(value)),
+                    NodeKind::Null => {}
                     _ => self.invalid(value, name, "a map"),
                 },
                 // Misplaced known keys are ignored, as in the reference; check_keys has
@@ -329,7 +331,7 @@ impl Reader<'_> {
     /// A `rate_limit` map, or a list of them.
     fn rate_limits(&mut self, node: &Node) -> Vec<RateLimitSpec> {
         match &node.kind {
-            Kind::Seq(items) => items
+            NodeKind::Seq(items) => items
                 .iter()
                 .filter_map(|item| self.rate_limit(item))
                 .collect(),
@@ -339,8 +341,8 @@ impl Reader<'_> {
 
     fn rate_limit(&mut self, node: &Node) -> Option<RateLimitSpec> {
         let entries = match &node.kind {
-            Kind::Map(entries) => entries,
-            Kind::Null => return None,
+            NodeKind::Map(entries) => entries,
+            NodeKind::Null => return None,
             _ => {
                 self.invalid(node, "rate_limit", "a map or a list of maps");
                 return None;
@@ -382,10 +384,10 @@ impl Reader<'_> {
 
     fn replaces(&mut self, node: &Node) -> Vec<Spanned<String>> {
         match &node.kind {
-            Kind::Seq(items) => items
+            NodeKind::Seq(items) => items
                 .iter()
                 .filter_map(|item| match &item.kind {
-                    Kind::Map(entries) => {
+                    NodeKind::Map(entries) => {
                         let name = entries
                             .iter()
                             .rev()
@@ -399,7 +401,7 @@ impl Reader<'_> {
                     _ => None,
                 })
                 .collect(),
-            Kind::Null => Vec::new(),
+            NodeKind::Null => Vec::new(),
             _ => {
                 self.invalid(node, "replaces", "a list of maps");
                 Vec::new()
@@ -410,8 +412,8 @@ impl Reader<'_> {
     /// Any scalar is text (yaml.v2 stores `200` or `true` in a string field as written).
     fn string(&mut self, node: &Node, field: &str) -> Option<String> {
         match &node.kind {
-            Kind::Scalar { text, .. } => Some(text.clone()),
-            Kind::Null => None,
+            NodeKind::Scalar { text, .. } => Some(text.clone()),
+            NodeKind::Null => None,
             _ => {
                 self.invalid(node, field, "a string");
                 None
@@ -429,8 +431,8 @@ impl Reader<'_> {
     /// Null is false, as a missing field.
     fn boolean(&mut self, node: &Node, field: &str) -> bool {
         let value = match &node.kind {
-            Kind::Null => Some(false),
-            Kind::Scalar { text, plain: true } => yaml::resolve_bool(text),
+            NodeKind::Null => Some(false),
+            NodeKind::Scalar { text, plain: true } => yaml::resolve_bool(text),
             _ => None,
         };
         value.unwrap_or_else(|| {
@@ -442,8 +444,8 @@ impl Reader<'_> {
     /// Null is `None`, as a missing field.
     fn uint(&mut self, node: &Node, field: &str) -> Option<Spanned<u32>> {
         let value = match &node.kind {
-            Kind::Null => return None,
-            Kind::Scalar { text, plain: true } => {
+            NodeKind::Null => return None,
+            NodeKind::Scalar { text, plain: true } => {
                 yaml::resolve_int(text).and_then(|n| u32::try_from(n).ok())
             }
             _ => None,

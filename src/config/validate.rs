@@ -10,7 +10,7 @@ use super::matcher::{DomainRules, Level, Rule, Step};
 use super::model::{DescriptorSpec, DomainSpec, RateLimitSpec};
 use super::yaml::Pos;
 use crate::decision::FailurePolicy;
-use crate::decision::limit::{Kind, Limit, Unit};
+use crate::decision::limit::{Algorithm, Limit, Unit};
 
 /// The most sub-limits one limit may be split over.
 pub const MAX_SHARDS: u32 = 64;
@@ -174,7 +174,7 @@ impl Check<'_> {
                 }
                 let in_flight = |l: &Limit| l.algorithm.in_flight();
                 if rule.limit.iter().chain(&rule.also).any(in_flight) {
-                    // The last entry names the request (its lease); the limit counts per the
+                    // The last entry names the request (its permit); the limit counts per the
                     // entries before it, so that value is left out of the state's key.
                     if shared.len() < 2 {
                         self.error(
@@ -342,9 +342,9 @@ impl Check<'_> {
         };
 
         let algorithm = match &rate_limit.algorithm {
-            None => Some(Kind::default()),
+            None => Some(Algorithm::default()),
             Some(name) => {
-                let algorithm = Kind::parse(&name.value);
+                let algorithm = Algorithm::parse(&name.value);
                 if algorithm.is_none() {
                     self.error(
                         name.pos,
@@ -362,20 +362,20 @@ impl Check<'_> {
         // Missing means 0, as in the reference: every request is over the limit.
         let requests_per_unit = rate_limit.requests_per_unit.as_ref().map_or(0, |r| r.value);
         if let Some(given) = &rate_limit.requests_per_unit
-            && let Some(kind) = algorithm
-            && let Some(max) = kind.max_limit()
+            && let Some(chosen) = algorithm
+            && let Some(max) = chosen.max_limit()
             && given.value > max
         {
             // A rate has another algorithm without that state; requests in flight do not.
-            let instead = if kind.in_flight() {
+            let instead = if chosen.in_flight() {
                 String::new()
             } else {
-                format!("; use {} for larger limits", Kind::TokenBucket)
+                format!("; use {} for larger limits", Algorithm::TokenBucket)
             };
             self.error(
                 given.pos,
                 format!(
-                    "{kind} keeps state per request it counts, so requests_per_unit must be at \
+                    "{chosen} keeps state per request it counts, so requests_per_unit must be at \
                      most {max} (found {}){instead}",
                     given.value,
                 ),
@@ -390,7 +390,7 @@ impl Check<'_> {
                         burst.pos,
                         format!(
                             "burst can only be used with algorithm {}",
-                            algorithms(Kind::takes_burst)
+                            algorithms(Algorithm::takes_burst)
                         ),
                     );
                 } else if burst.value == 0 {
@@ -404,12 +404,12 @@ impl Check<'_> {
             None => 0,
             Some(lease) => {
                 let most = burst.min(requests_per_unit);
-                if !algorithm.is_some_and(Kind::batches) {
+                if !algorithm.is_some_and(Algorithm::batches) {
                     self.error(
                         lease.pos,
                         format!(
                             "lease can only be used with algorithm {}",
-                            algorithms(Kind::batches)
+                            algorithms(Algorithm::batches)
                         ),
                     );
                 } else if lease.value == 0 || lease.value > most {
@@ -440,11 +440,11 @@ impl Check<'_> {
 }
 
 /// The names of the algorithms that `have` something, as "a, b or c".
-fn algorithms(have: impl Fn(Kind) -> bool) -> String {
-    let names: Vec<&str> = Kind::ALL
+fn algorithms(have: impl Fn(Algorithm) -> bool) -> String {
+    let names: Vec<&str> = Algorithm::ALL
         .into_iter()
         .filter(|&k| have(k))
-        .map(Kind::name)
+        .map(Algorithm::name)
         .collect();
     match names.split_last() {
         Some((last, [])) => (*last).to_owned(),
@@ -777,11 +777,11 @@ mod tests {
     fn algorithm_defaults_to_fixed_window() {
         let limit = limit_of("unit: minute\n      requests_per_unit: 7").unwrap();
         assert_eq!(limit, Limit::fixed(7, Unit::Minute));
-        assert_eq!(limit.algorithm, Kind::FixedWindow);
+        assert_eq!(limit.algorithm, Algorithm::FixedWindow);
         let limit =
             limit_of("unit: minute\n      requests_per_unit: 7\n      algorithm: sliding_window")
                 .unwrap();
-        assert_eq!(limit.algorithm, Kind::SlidingWindow);
+        assert_eq!(limit.algorithm, Algorithm::SlidingWindow);
         assert_eq!(limit.burst, 7);
     }
 
@@ -805,7 +805,7 @@ mod tests {
         };
         assert_eq!(limit("").burst, 10);
         assert_eq!(limit("\n      burst: 25").burst, 25);
-        assert_eq!(limit("\n      burst: 25").algorithm, Kind::TokenBucket);
+        assert_eq!(limit("\n      burst: 25").algorithm, Algorithm::TokenBucket);
         assert_eq!(
             one_rule("unit: second\n      algorithm: token_bucket\n      burst: 0").unwrap_err(),
             ["v.yaml:7:14: burst must be at least 1"]

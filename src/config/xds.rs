@@ -34,15 +34,15 @@ pub fn load(
     merge_domains: bool,
     version: &str,
 ) -> Result<RuleSet, String> {
-    let mut places = Places::default();
+    let mut paths = FieldPaths::default();
     let mut validator = Validator::new(merge_domains);
     let mut errors = Vec::new();
     for resource in resources {
-        let spec = places.domain(resource);
+        let spec = paths.domain(resource);
         validator.add(&resource.name, &spec, &mut errors);
     }
     if !errors.is_empty() {
-        return Err(places.render(&errors));
+        return Err(paths.render(&errors));
     }
     let names = resources.iter().map(|r| r.name.clone()).collect();
     Ok(RuleSet::new(validator.finish(), version.to_owned(), names))
@@ -51,9 +51,9 @@ pub fn load(
 /// Stands in for source positions: each field that may be blamed gets a `Pos` whose line
 /// indexes the path it was found at.
 #[derive(Default)]
-struct Places(Vec<String>);
+struct FieldPaths(Vec<String>);
 
-impl Places {
+impl FieldPaths {
     fn at(&mut self, path: String) -> Pos {
         self.0.push(path);
         Pos {

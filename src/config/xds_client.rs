@@ -1,18 +1,11 @@
 //! Rules from a control plane (CONFIG_TYPE=GRPC_XDS_SOTW), as the reference's xDS provider
 //! takes them: an ADS state-of-the-world stream subscribed to every `RateLimitConfig`.
 //!
-//! Each response is the complete rule set. It is validated as a whole (config::xds, the files'
-//! validator) and swapped in atomically, then ACKed with its version and nonce; a response that
-//! fails is NACKed with the loader's errors in `error_detail`, and the rules in force stay. A
-//! lost control plane changes nothing but the stream: the last good rules stay in force while
-//! the client reconnects.
-//!
-//! Reconnecting differs from the reference on purpose. The reference hands its
-//! XDS_CLIENT_BACKOFF_RANDOM_FACTOR to a backoff library as the *growth factor*, so with the
-//! default 0.5 every retry waits the initial interval; here the wait doubles from the initial
-//! interval up to the maximum, each wait randomized by ±RANDOM_FACTOR when JITTER is on, and it
-//! starts over once a stream has delivered a response. Failed connection attempts are retried
-//! every CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL (±50%), as the reference's dial retry.
+//! Each response is the whole rule set: validated as a whole (`config::xds`), swapped in
+//! atomically and ACKed, or NACKed with the errors while the rules in force stay. Unlike the
+//! reference, whose backoff reads XDS_CLIENT_BACKOFF_RANDOM_FACTOR as a growth factor (so
+//! every retry waits the initial interval), the wait here doubles up to the maximum, with
+//! jitter, and starts over once a stream delivered a response.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -33,7 +33,7 @@ impl Pos {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Kind {
+pub enum NodeKind {
     /// `plain` is false for quoted, block and explicitly tagged scalars, which are always text.
     Scalar {
         text: String,
@@ -46,7 +46,7 @@ pub enum Kind {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
-    pub kind: Kind,
+    pub kind: NodeKind,
     pub pos: Pos,
 }
 
@@ -54,10 +54,10 @@ impl Node {
     /// Short rendering for error messages: a scalar's text, or what kind of collection it is.
     pub fn describe(&self) -> String {
         match &self.kind {
-            Kind::Scalar { text, .. } => text.clone(),
-            Kind::Seq(_) => "a list".to_owned(),
-            Kind::Map(_) => "a map".to_owned(),
-            Kind::Null => "null".to_owned(),
+            NodeKind::Scalar { text, .. } => text.clone(),
+            NodeKind::Seq(_) => "a list".to_owned(),
+            NodeKind::Map(_) => "a map".to_owned(),
+            NodeKind::Null => "null".to_owned(),
         }
     }
 }
@@ -225,7 +225,7 @@ impl TreeBuilder {
             }) => match pending.take() {
                 Some(key) => entries.push((key, node)),
                 None => {
-                    if let Kind::Scalar { text, .. } = &node.kind
+                    if let NodeKind::Scalar { text, .. } = &node.kind
                         && let Some(first) = keys.insert(text.clone(), node.pos)
                     {
                         self.first_duplicate
@@ -245,9 +245,9 @@ impl MarkedEventReceiver for TreeBuilder {
             Event::Scalar(text, style, _anchor, tag) => {
                 let plain = style == TScalarStyle::Plain && tag.is_none();
                 let kind = if plain && is_null(&text) {
-                    Kind::Null
+                    NodeKind::Null
                 } else {
-                    Kind::Scalar { text, plain }
+                    NodeKind::Scalar { text, plain }
                 };
                 self.push(Node { kind, pos });
             }
@@ -262,12 +262,12 @@ impl MarkedEventReceiver for TreeBuilder {
             Event::SequenceEnd | Event::MappingEnd => {
                 if let Some(open) = self.open.pop() {
                     let (kind, pos) = match open.kind {
-                        OpenKind::Seq(items) => (Kind::Seq(items), open.pos),
+                        OpenKind::Seq(items) => (NodeKind::Seq(items), open.pos),
                         // A block mapping's start event is marked at its first `:`, so the
                         // first key (when earlier, as it is outside flow style) marks it better.
                         OpenKind::Map(entries, ..) => {
                             let pos = entries.first().map_or(open.pos, |(key, _)| key.pos);
-                            (Kind::Map(entries), open.pos.min(pos))
+                            (NodeKind::Map(entries), open.pos.min(pos))
                         }
                     };
                     self.push(Node { kind, pos });
@@ -277,7 +277,7 @@ impl MarkedEventReceiver for TreeBuilder {
                 self.first_alias.get_or_insert(pos);
                 // A placeholder keeps the tree's shape consistent; parse() fails anyway.
                 self.push(Node {
-                    kind: Kind::Null,
+                    kind: NodeKind::Null,
                     pos,
                 });
             }
@@ -296,7 +296,7 @@ mod tests {
 
     fn scalar(text: &str, plain: bool, line: usize, column: usize) -> Node {
         Node {
-            kind: Kind::Scalar {
+            kind: NodeKind::Scalar {
                 text: text.to_owned(),
                 plain,
             },
@@ -308,21 +308,21 @@ mod tests {
     fn builds_a_marked_tree() {
         let docs = parse("f.yaml", "domain: d\nlist:\n  - a: 'x'\n    b: ~\n").unwrap();
         assert_eq!(docs.len(), 1);
-        let Kind::Map(entries) = &docs[0].kind else {
+        let NodeKind::Map(entries) = &docs[0].kind else {
             panic!("root is not a map: {:?}", docs[0]);
         };
         assert_eq!(docs[0].pos, Pos { line: 1, column: 1 });
         assert_eq!(entries[0].0, scalar("domain", true, 1, 1));
         assert_eq!(entries[0].1, scalar("d", true, 1, 9));
-        let Kind::Seq(items) = &entries[1].1.kind else {
+        let NodeKind::Seq(items) = &entries[1].1.kind else {
             panic!("not a list: {:?}", entries[1].1);
         };
         assert_eq!(items[0].pos, Pos { line: 3, column: 5 });
-        let Kind::Map(item) = &items[0].kind else {
+        let NodeKind::Map(item) = &items[0].kind else {
             panic!("not a map: {:?}", items[0]);
         };
         assert_eq!(item[0].1, scalar("x", false, 3, 8));
-        assert_eq!(item[1].1.kind, Kind::Null);
+        assert_eq!(item[1].1.kind, NodeKind::Null);
         assert_eq!(item[1].1.pos.line, 4);
     }
 
@@ -331,7 +331,7 @@ mod tests {
         let docs = parse("f.yaml", "domain: a\n---\ndomain: b\n---\n").unwrap();
         assert_eq!(docs.len(), 3);
         assert_eq!(docs[1].pos.line, 3);
-        assert_eq!(docs[2].kind, Kind::Null);
+        assert_eq!(docs[2].kind, NodeKind::Null);
         assert!(parse("f.yaml", "").unwrap().is_empty());
         assert!(parse("f.yaml", "# only a comment\n").unwrap().is_empty());
     }
@@ -437,7 +437,7 @@ mod tests {
     #[test]
     fn a_byte_order_mark_is_skipped() {
         let docs = parse("bom.yaml", "\u{feff}domain: d\n").unwrap();
-        let Kind::Map(entries) = &docs[0].kind else {
+        let NodeKind::Map(entries) = &docs[0].kind else {
             panic!("root is not a map: {:?}", docs[0]);
         };
         assert_eq!(entries[0].0, scalar("domain", true, 1, 1));
@@ -446,12 +446,12 @@ mod tests {
     #[test]
     fn tagged_and_quoted_scalars_are_not_plain() {
         let docs = parse("f.yaml", "- !!str 5\n- \"6\"\n- 7\n- |\n  8\n").unwrap();
-        let Kind::Seq(items) = &docs[0].kind else {
+        let NodeKind::Seq(items) = &docs[0].kind else {
             panic!("not a list");
         };
         let plain: Vec<bool> = items
             .iter()
-            .map(|n| matches!(n.kind, Kind::Scalar { plain: true, .. }))
+            .map(|n| matches!(n.kind, NodeKind::Scalar { plain: true, .. }))
             .collect();
         assert_eq!(plain, [false, false, true, false]);
     }

@@ -1,28 +1,27 @@
-//! Room in a bounded map whose entries go only when they expire.
+//! Capacity of a bounded map whose entries go only when they expire (quota leases, cached
+//! refusals, RLQS buckets): a new key is let in after the expired entries are dropped.
 //!
-//! Such a map (lease pools, cached refusals, RLQS shares) makes room for a new key by
-//! dropping what has expired, which takes a pass over every entry. Once a pass finds every
-//! entry live, none can expire before the earliest of them, so until then a new key is turned
-//! away without another pass: a map full of live entries had been scanned again for every
-//! new key, under its lock (577 µs a call with 100 000 lease pools).
+//! Dropping them is a pass over every entry, so once a pass finds every entry live, a new key
+//! is turned away without another pass until the earliest of them expires: otherwise a map
+//! full of live entries would be scanned under its lock for every new key.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Instant;
 
-/// When a map found full can next make room. Its owner [`Room::clear`]s it when an entry
+/// When a map found full can next make room. Its owner [`Capacity::clear`]s it when an entry
 /// becomes droppable other than by expiring (spent, or removed).
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Room {
+pub struct Capacity {
     /// The earliest expiry among the live entries of a full map; `None`: room may be made now.
     full_until: Option<Instant>,
 }
 
-impl Room {
+impl Capacity {
     /// Whether `map`, bounded at `max` entries, has room for a new key at `now`, after
     /// dropping its expired entries if it is full. `expiry` is when an entry expires (`None`:
     /// it may be dropped now).
-    pub fn make<K: Eq + Hash, V>(
+    pub fn make_room<K: Eq + Hash, V>(
         &mut self,
         map: &mut HashMap<K, V>,
         max: usize,
@@ -48,7 +47,7 @@ impl Room {
     }
 
     /// Insert `value` at `key` in `map` (at most `max` entries), unless the key is new and
-    /// there is no room for it (see [`Room::make`]).
+    /// there is no room for it (see [`Capacity::make_room`]).
     pub fn insert<K: Eq + Hash, V>(
         &mut self,
         map: &mut HashMap<K, V>,
@@ -57,7 +56,7 @@ impl Room {
         now: Instant,
         expiry: impl Fn(&V) -> Option<Instant>,
     ) {
-        if map.contains_key(&key) || self.make(map, max, now, &expiry) {
+        if map.contains_key(&key) || self.make_room(map, max, now, &expiry) {
             self.kept(expiry(&value));
             map.insert(key, value);
         }
@@ -87,39 +86,39 @@ mod tests {
         // Entries expire at their value (ms from t0); two at most.
         let expiry = |ms: &u64| Some(at(*ms));
         let mut map: HashMap<&str, u64> = HashMap::from([("a", 10), ("b", 20)]);
-        let mut room = Room::default();
+        let mut capacity = Capacity::default();
         // Full of live entries: no room, and until `a` expires no pass is made, so `b`,
         // expired meanwhile, stays.
-        assert!(!room.make(&mut map, 2, at(5), expiry));
+        assert!(!capacity.make_room(&mut map, 2, at(5), expiry));
         map.insert("b", 7);
-        assert!(!room.make(&mut map, 2, at(8), expiry));
+        assert!(!capacity.make_room(&mut map, 2, at(8), expiry));
         assert_eq!(map.len(), 2, "no pass before `a` expires");
         // Clearing (an entry spent or removed) allows a pass at once.
-        room.clear();
-        assert!(room.make(&mut map, 2, at(8), expiry));
+        capacity.clear();
+        assert!(capacity.make_room(&mut map, 2, at(8), expiry));
         assert_eq!(map.keys().collect::<Vec<_>>(), [&"a"]);
         // An entry renewed to expire first brings the next pass forward.
         let mut map: HashMap<&str, u64> = HashMap::from([("x", 50), ("y", 60)]);
-        let mut room = Room::default();
-        assert!(!room.make(&mut map, 2, at(0), expiry));
+        let mut capacity = Capacity::default();
+        assert!(!capacity.make_room(&mut map, 2, at(0), expiry));
         map.insert("y", 20);
-        room.kept(Some(at(20)));
-        assert!(!room.make(&mut map, 2, at(19), expiry));
-        assert!(room.make(&mut map, 2, at(20), expiry));
+        capacity.kept(Some(at(20)));
+        assert!(!capacity.make_room(&mut map, 2, at(19), expiry));
+        assert!(capacity.make_room(&mut map, 2, at(20), expiry));
         assert_eq!(map.keys().collect::<Vec<_>>(), [&"x"]);
         // Inserting: a new key into a full map is turned away, a key already in it renewed
         // (and, renewed to expire first, it brings the next pass forward).
-        room.insert(&mut map, 1, ("z", 200), at(30), expiry);
+        capacity.insert(&mut map, 1, ("z", 200), at(30), expiry);
         assert_eq!(map, HashMap::from([("x", 50)]));
-        room.insert(&mut map, 1, ("x", 150), at(30), expiry);
-        room.insert(&mut map, 1, ("x", 40), at(30), expiry);
+        capacity.insert(&mut map, 1, ("x", 150), at(30), expiry);
+        capacity.insert(&mut map, 1, ("x", 40), at(30), expiry);
         assert_eq!(map, HashMap::from([("x", 40)]));
-        room.insert(&mut map, 1, ("z", 200), at(39), expiry);
+        capacity.insert(&mut map, 1, ("z", 200), at(39), expiry);
         assert_eq!(map, HashMap::from([("x", 40)]), "no pass before 40");
-        room.insert(&mut map, 1, ("z", 200), at(40), expiry);
+        capacity.insert(&mut map, 1, ("z", 200), at(40), expiry);
         assert_eq!(map, HashMap::from([("z", 200)]));
-        // With room to spare, nothing is dropped, expired or not.
-        assert!(room.make(&mut map, 2, at(300), expiry));
+        // With capacity to spare, nothing is dropped, expired or not.
+        assert!(capacity.make_room(&mut map, 2, at(300), expiry));
         assert_eq!(map.len(), 1);
     }
 }

@@ -77,9 +77,9 @@ pub fn limit_key<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
 
-    fn with(algorithm: Kind, unit: Unit) -> Limit {
+    fn with(algorithm: Algorithm, unit: Unit) -> Limit {
         Limit {
             algorithm,
             ..Limit::fixed(10, unit)
@@ -88,7 +88,7 @@ mod tests {
 
     #[test]
     fn separators_in_data_cannot_collide_or_open_a_hash_tag() {
-        let l = with(Kind::FixedWindow, Unit::Minute);
+        let l = with(Algorithm::FixedWindow, Unit::Minute);
         let a = limit_key("d", [("a_b", "c")], &l, None);
         let b = limit_key("d", [("a", "b_c")], &l, None);
         assert_ne!(a, b);
@@ -98,7 +98,7 @@ mod tests {
         let braces = limit_key(
             "d{",
             [("}", "%")],
-            &with(Kind::TokenBucket, Unit::Second),
+            &with(Algorithm::TokenBucket, Unit::Second),
             None,
         );
         assert_eq!(braces, "d%7B|%7D=%25|token_bucket:1");
@@ -112,16 +112,26 @@ mod tests {
     #[test]
     fn algorithms_and_windows_are_separate_state_but_numbers_are_not() {
         let entries = [("user", "alice")];
-        let minute = with(Kind::FixedWindow, Unit::Minute);
+        let minute = with(Algorithm::FixedWindow, Unit::Minute);
         let plain = limit_key("d", entries, &minute, None);
         assert_eq!(plain, "d|user=alice|fixed_window:60");
         assert_ne!(
             plain,
-            limit_key("d", entries, &with(Kind::TokenBucket, Unit::Minute), None,)
+            limit_key(
+                "d",
+                entries,
+                &with(Algorithm::TokenBucket, Unit::Minute),
+                None,
+            )
         );
         assert_ne!(
             plain,
-            limit_key("d", entries, &with(Kind::FixedWindow, Unit::Hour), None,)
+            limit_key(
+                "d",
+                entries,
+                &with(Algorithm::FixedWindow, Unit::Hour),
+                None,
+            )
         );
         let sharded = limit_key("d", entries, &minute, Some(Shard(3)));
         assert_eq!(sharded, "d|user=alice|fixed_window:60|#3");

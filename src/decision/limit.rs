@@ -3,7 +3,7 @@
 //!
 //! These types sit between the rules (which produce them) and the backends (which only ever
 //! see them), so neither side depends on the other. The registry of algorithms is here too,
-//! at the bottom of the layers, since `Limit` names a `Kind` and the algorithms read a `Limit`.
+//! at the bottom of the layers, since `Limit` names an `Algorithm` and the algorithms read a `Limit`.
 
 use std::fmt;
 
@@ -102,9 +102,9 @@ impl fmt::Display for Unit {
 
 /// The registry of algorithms: every algorithm once, as `Variant module`, where
 /// `src/algorithm/<module>.rs` holds its arithmetic (the type `Variant`, implementing
-/// `algorithm::Algorithm`) and `lua/<module>.lua` its Redis twin, and `<module>` is its name
-/// in the rules (`algorithm:`). This list is the only one: `Kind` below, and in
-/// `crate::algorithm` the modules, the twins' sources and the dispatch from a `Kind` to its
+/// `algorithm::Arithmetic`) and `lua/<module>.lua` its Redis twin, and `<module>` is its name
+/// in the rules (`algorithm:`). This list is the only one: `Algorithm` below, and in
+/// `crate::algorithm` the modules, the twins' sources and the dispatch from an `Algorithm` to its
 /// arithmetic and state, are all expanded from it, so a missing file or trait impl is a
 /// compile error.
 ///
@@ -122,7 +122,7 @@ macro_rules! algorithms {
             /// GCRA: a token bucket stored as one theoretical arrival time; `burst` back to
             /// back, then the steady rate.
             TokenBucket token_bucket,
-            /// At most `requests_per_unit` requests in flight; each lease lasts at most one
+            /// At most `requests_per_unit` requests in flight; each permit lasts at most one
             /// window.
             Concurrency concurrency,
         }
@@ -130,37 +130,37 @@ macro_rules! algorithms {
 }
 pub(crate) use algorithms;
 
-/// Declares `Kind` from the registry.
-macro_rules! kind {
+/// Declares `Algorithm` from the registry.
+macro_rules! algorithm_enum {
     ($($(#[$attr:meta])* $kind:ident $module:ident,)+) => {
         /// How a limit is enforced: which algorithm. Chosen per rule with the additive YAML
         /// field `algorithm:`.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-        pub enum Kind {
+        pub enum Algorithm {
             $($(#[$attr])* $kind,)+
         }
 
-        impl Kind {
-            pub const ALL: [Kind; [$(Kind::$kind),+].len()] = [$(Kind::$kind),+];
+        impl Algorithm {
+            pub const ALL: [Algorithm; [$(Algorithm::$kind),+].len()] = [$(Algorithm::$kind),+];
 
             /// The name in the rules, which is also the algorithm's module and Lua file.
             pub fn name(self) -> &'static str {
                 match self {
-                    $(Kind::$kind => stringify!($module),)+
+                    $(Algorithm::$kind => stringify!($module),)+
                 }
             }
         }
     };
 }
-algorithms!(kind);
+algorithms!(algorithm_enum);
 
-impl Kind {
-    pub fn parse(name: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|a| a.name() == name)
+impl Algorithm {
+    pub fn parse(name: &str) -> Option<Algorithm> {
+        Algorithm::ALL.into_iter().find(|a| a.name() == name)
     }
 }
 
-impl fmt::Display for Kind {
+impl fmt::Display for Algorithm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -171,7 +171,7 @@ impl fmt::Display for Kind {
 pub struct Limit {
     pub requests_per_unit: u32,
     pub unit: Unit,
-    pub algorithm: Kind,
+    pub algorithm: Algorithm,
     /// Requests a token bucket admits back to back; equal to `requests_per_unit` unless the
     /// rule says otherwise. Unused by the window algorithms.
     pub burst: u32,
@@ -180,7 +180,7 @@ pub struct Limit {
     pub window: u64,
     /// Units an instance takes from a shared backend per round trip and spends locally
     /// (the rule's `lease`; 0 or 1: every hit asks the backend). Not a hit's concurrency
-    /// lease (`Hit::lease`), which is one request in flight.
+    /// permit (`Hit::permit`), which is one request in flight.
     pub quota_lease: u32,
 }
 
@@ -190,7 +190,7 @@ impl Limit {
         Limit {
             requests_per_unit,
             unit,
-            algorithm: Kind::FixedWindow,
+            algorithm: Algorithm::FixedWindow,
             burst: requests_per_unit,
             window: unit.seconds(),
             quota_lease: 0,

@@ -29,37 +29,37 @@ pub enum Role {
     Quota,
 }
 
-/// One descriptor's share of a request: `hits` units against `limit` on the state `key`.
+/// One descriptor's share of a request: `units` units against `limit` on the state `key`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hit {
     pub key: String,
     pub limit: Limit,
-    pub hits: u64,
+    pub units: u64,
     pub role: Role,
-    /// For a concurrency limit: the request's lease, taken or given back.
-    pub lease: Option<(LeaseOp, String)>,
+    /// For a concurrency limit: the request's permit, taken or given back.
+    pub permit: Option<(PermitOp, String)>,
 }
 
 impl Hit {
     /// What the algorithm is asked.
     pub fn cost(&self) -> Cost<'_> {
         Cost {
-            units: self.hits,
-            lease: self.lease.as_ref().map(|(op, id)| (*op, id.as_str())),
+            units: self.units,
+            permit: self.permit.as_ref().map(|(op, id)| (*op, id.as_str())),
         }
     }
 
-    /// A lease given back: applied whatever the rest of the request says, since the request
+    /// A permit given back: applied whatever the rest of the request says, since the request
     /// it belonged to is over.
     pub fn releases(&self) -> bool {
-        matches!(self.lease, Some((LeaseOp::Release, _)))
+        matches!(self.permit, Some((PermitOp::Release, _)))
     }
 }
 
-/// What a concurrency limit's hit does with its lease.
+/// What a concurrency limit's hit does with its permit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LeaseOp {
-    /// Take a lease for the request (a request's call on the request path).
+pub enum PermitOp {
+    /// Take a permit for the request (a request's call on the request path).
     Acquire,
     /// Give it back (Envoy's call when the stream is done, with negative hits).
     Release,
@@ -70,14 +70,17 @@ pub enum LeaseOp {
 pub struct Cost<'a> {
     /// Units to charge; 0 reads without charging.
     pub units: u64,
-    /// For a concurrency limit: the request's lease and what to do with it.
-    pub lease: Option<(LeaseOp, &'a str)>,
+    /// For a concurrency limit: the request's permit and what to do with it.
+    pub permit: Option<(PermitOp, &'a str)>,
 }
 
 impl Cost<'_> {
-    /// A plain cost of `units`, with no lease.
+    /// A plain cost of `units`, with no permit.
     pub fn units(units: u64) -> Cost<'static> {
-        Cost { units, lease: None }
+        Cost {
+            units,
+            permit: None,
+        }
     }
 }
 
@@ -108,7 +111,7 @@ impl Charging {
 }
 
 /// The answer on one hit, whoever gives it: an algorithm's arithmetic (before anything is
-/// written), a backend, a lease pool or the over-limit cache.
+/// written), a backend, a quota lease or the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     pub admitted: bool,

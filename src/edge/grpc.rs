@@ -1,35 +1,15 @@
 //! `ShouldRateLimit` at the gRPC edge: the request's one message read from its HTTP/2 body,
 //! decided by [`RateLimiter::check`], and the answer framed, by a tower layer in front of
-//! tonic's router.
+//! tonic's router, which still serves every other method (health, RLQS).
 //!
-//! Why not tonic's generated service: every call is one small unary message, and on the
-//! memory backend the decision costs a fraction of what tonic's general path around it does
-//! (a router lookup, a streaming decoder, an encoder body with its trailers built from a
-//! `Status`, a timer per call). Here a call reads one frame, decodes it, and answers with a
-//! body that is the message and then `grpc-status: 0`. Every other method (health, RLQS)
-//! still goes to tonic.
-//!
-//! One deadline bounds the whole call (`Deadline`): the caller's `grpc-timeout` or the
-//! request timeout, whichever is shorter, taken when the call arrives. A body that has not arrived by then is
-//! answered DEADLINE_EXCEEDED; a body already here needs no timer.
-//!
-//! A call takes its place among the calls in flight (the process's cap on them) once its
-//! message has arrived, not when its stream opens: streams that never send their message
-//! then hold no place, so one client opening many cannot leave others none (they are cut
-//! at the deadline, and HTTP/2 bounds them per connection). It takes one among its peer
-//! address's calls in flight first (over all that peer's connections): a client that keeps
-//! many calls waiting (costly ones waiting for their place, or all of them while the backend
-//! is slow) is refused past its share, while the others still find places. Refused calls are
-//! errors, which Envoy lets through: without the share, one client filling the cap switched
-//! limiting off for every other.
-//!
-//! A costly call (its message past `LIGHT_MESSAGE_BYTES`: far more than Envoy's few short
-//! descriptors, such as 64 descriptors of 4 KiB) is decided only in one of a few places
-//! (`costly`: two per serving thread), which it waits for within its deadline. Deciding one
-//! costs the thread that serves its connection about 4 µs per kilobyte of its message
-//! (0.95 ms for 64 descriptors of 3.9 KB): unbounded, a client of costly calls kept the
-//! serving threads busy, and every other client's calls waited behind its own. A light call
-//! never waits for a place.
+//! Not tonic's generated service: every call is one small unary message, and tonic's general
+//! path around it (router, streaming codec, per-call timer) costs more than the decision on
+//! the memory backend (measured in BENCHMARKS.md). One deadline bounds the whole call
+//! (`Deadline`). A call takes its place among the calls in flight only once its message has
+//! arrived, after one among its peer's (`Caller`), so a client opening many streams or keeping
+//! many calls waiting is refused past its share while others still find places. A costly
+//! call (past `LIGHT_MESSAGE_BYTES`) also waits for one of a few `costly` places, so clients
+//! of large messages cannot keep the serving threads from everyone else's calls.
 
 use std::future::Future;
 use std::pin::{Pin, pin};
@@ -67,9 +47,9 @@ pub const PREFIX: usize = 5;
 /// Largest message of a light call, which never waits for a place among the costly ones.
 const LIGHT_MESSAGE_BYTES: usize = 8 << 10;
 
-/// Where calls may be, from their message's arrival to their answer.
+/// How many calls may be in flight, from their message's arrival to their answer.
 #[derive(Clone)]
-pub struct Places {
+pub struct CallCaps {
     /// All calls in flight (none free: RESOURCE_EXHAUSTED at once).
     pub in_flight: Arc<Semaphore>,
     /// Most calls in flight from one peer address (past it: RESOURCE_EXHAUSTED at once).
@@ -78,21 +58,21 @@ pub struct Places {
     pub costly: Arc<Semaphore>,
 }
 
-/// What the edge answers every call with, shared by every connection.
-pub struct Edge<B> {
+/// What answers every `ShouldRateLimit` call, shared by every connection.
+pub struct CallHandler<B> {
     limiter: Arc<RateLimiter<B>>,
     max_message_bytes: usize,
-    places: Places,
+    caps: CallCaps,
 }
 
-impl<B> Edge<B> {
+impl<B> CallHandler<B> {
     /// Answers `ShouldRateLimit` with `limiter`, messages of at most `max_message_bytes`,
-    /// each call holding its `places`.
-    pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize, places: Places) -> Self {
-        Edge {
+    /// each call within its `caps`.
+    pub fn new(limiter: Arc<RateLimiter<B>>, max_message_bytes: usize, caps: CallCaps) -> Self {
+        CallHandler {
             limiter,
             max_message_bytes,
-            places,
+            caps,
         }
     }
 }
@@ -101,13 +81,13 @@ impl<B> Edge<B> {
 /// peer, so its calls need not carry it (only those for the inner service do, in their
 /// extensions, for RLQS).
 pub struct ShouldRateLimitLayer<B> {
-    edge: Arc<Edge<B>>,
+    handler: Arc<CallHandler<B>>,
     caller: Caller,
 }
 
 impl<B> ShouldRateLimitLayer<B> {
-    pub fn new(edge: Arc<Edge<B>>, caller: Caller) -> Self {
-        ShouldRateLimitLayer { edge, caller }
+    pub fn new(handler: Arc<CallHandler<B>>, caller: Caller) -> Self {
+        ShouldRateLimitLayer { handler, caller }
     }
 }
 
@@ -117,7 +97,7 @@ impl<S, B> Layer<S> for ShouldRateLimitLayer<B> {
     fn layer(&self, inner: S) -> Self::Service {
         ShouldRateLimit {
             inner,
-            edge: Arc::clone(&self.edge),
+            handler: Arc::clone(&self.handler),
             caller: self.caller.clone(),
         }
     }
@@ -125,7 +105,7 @@ impl<S, B> Layer<S> for ShouldRateLimitLayer<B> {
 
 pub struct ShouldRateLimit<S, B> {
     inner: S,
-    edge: Arc<Edge<B>>,
+    handler: Arc<CallHandler<B>>,
     caller: Caller,
 }
 
@@ -133,13 +113,13 @@ impl<S: Clone, B> Clone for ShouldRateLimit<S, B> {
     fn clone(&self) -> Self {
         ShouldRateLimit {
             inner: self.inner.clone(),
-            edge: Arc::clone(&self.edge),
+            handler: Arc::clone(&self.handler),
             caller: self.caller.clone(),
         }
     }
 }
 
-type Answered = Pin<Box<dyn Future<Output = http::Response<Answer>> + Send>>;
+type Answered = Pin<Box<dyn Future<Output = http::Response<CallBody>> + Send>>;
 
 /// Always ready: this edge waits for nothing before a call, and readiness taken from the
 /// inner service (a place among the calls in flight, say) would be held for calls that never
@@ -154,7 +134,7 @@ where
     R: http_body::Body<Data = Bytes> + Send + 'static,
     R::Error: Into<BoxError>,
 {
-    type Response = http::Response<Answer>;
+    type Response = http::Response<CallBody>;
     type Error = S::Error;
     type Future = Routed<Oneshot<S, http::Request<Body>>>;
 
@@ -169,7 +149,7 @@ where
             return Routed::Inner(Box::pin(self.inner.clone().oneshot(request)));
         }
         Routed::Here(Box::pin(
-            Arc::clone(&self.edge).answer(request, self.caller.clone()),
+            Arc::clone(&self.handler).answer(request, self.caller.clone()),
         ))
     }
 }
@@ -185,25 +165,25 @@ impl<F, E> Future for Routed<F>
 where
     F: Future<Output = Result<http::Response<Body>, E>>,
 {
-    type Output = Result<http::Response<Answer>, E>;
+    type Output = Result<http::Response<CallBody>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
             Routed::Inner(inner) => inner
                 .as_mut()
                 .poll(cx)
-                .map_ok(|response| response.map(Answer::Other)),
+                .map_ok(|response| response.map(CallBody::Other)),
             Routed::Here(answer) => answer.as_mut().poll(cx).map(Ok),
         }
     }
 }
 
-impl<B: Backend> Edge<B> {
+impl<B: Backend> CallHandler<B> {
     async fn answer<R>(
         self: Arc<Self>,
         request: http::Request<R>,
         caller: Caller,
-    ) -> http::Response<Answer>
+    ) -> http::Response<CallBody>
     where
         R: http_body::Body<Data = Bytes>,
         R::Error: Into<BoxError>,
@@ -232,21 +212,21 @@ impl<B: Backend> Edge<B> {
                 .into_http();
             }
         };
-        let places = &self.places;
-        let Some(_from_peer) = caller.call(places.per_peer) else {
+        let caps = &self.caps;
+        let Some(_from_peer) = caller.call(caps.per_peer) else {
             return Status::resource_exhausted(format!(
                 "{} calls in flight from {}, the most one peer address may have \
                  (--max-in-flight-per-peer)",
-                places.per_peer,
+                caps.per_peer,
                 caller.remote.ip()
             ))
             .into_http();
         };
-        let Ok(_in_flight) = places.in_flight.try_acquire() else {
+        let Ok(_in_flight) = caps.in_flight.try_acquire() else {
             return Status::resource_exhausted("too many calls in flight").into_http();
         };
         let _costly = if message.len() > LIGHT_MESSAGE_BYTES {
-            let Some(Ok(place)) = deadline.bound(places.costly.acquire()).await else {
+            let Some(Ok(place)) = deadline.bound(caps.costly.acquire()).await else {
                 return Status::deadline_exceeded(format!(
                     "a costly call (a message of {} bytes) found no place among the costly \
                      calls in progress in time",
@@ -380,8 +360,8 @@ fn frame(message: &impl Message) -> Bytes {
 }
 
 /// An OK answer carrying `framed`.
-fn ok(framed: Bytes) -> http::Response<Answer> {
-    let mut response = http::Response::new(Answer::Message(framed));
+fn ok(framed: Bytes) -> http::Response<CallBody> {
+    let mut response = http::Response::new(CallBody::Message(framed));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/grpc"),
@@ -393,7 +373,7 @@ fn ok(framed: Bytes) -> http::Response<Answer> {
 /// nothing more (`Done`, also the body of an error answer, whose status is in its headers);
 /// or the inner service's body. An enum, not a boxed body, since every call has one.
 #[derive(Default)]
-pub enum Answer {
+pub enum CallBody {
     Message(Bytes),
     Trailers,
     #[default]
@@ -401,7 +381,7 @@ pub enum Answer {
     Other(Body),
 }
 
-impl http_body::Body for Answer {
+impl http_body::Body for CallBody {
     type Data = Bytes;
     type Error = Status;
 
@@ -411,35 +391,35 @@ impl http_body::Body for Answer {
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
         let frame = match this {
-            Answer::Message(message) => {
+            CallBody::Message(message) => {
                 let message = std::mem::take(message);
-                *this = Answer::Trailers;
+                *this = CallBody::Trailers;
                 Frame::data(message)
             }
-            Answer::Trailers => {
-                *this = Answer::Done;
+            CallBody::Trailers => {
+                *this = CallBody::Done;
                 let mut trailers = HeaderMap::with_capacity(1);
                 trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
                 Frame::trailers(trailers)
             }
-            Answer::Done => return Poll::Ready(None),
-            Answer::Other(body) => return Pin::new(body).poll_frame(cx),
+            CallBody::Done => return Poll::Ready(None),
+            CallBody::Other(body) => return Pin::new(body).poll_frame(cx),
         };
         Poll::Ready(Some(Ok(frame)))
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
         match self {
-            Answer::Other(body) => body.size_hint(),
+            CallBody::Other(body) => body.size_hint(),
             _ => http_body::SizeHint::default(),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Answer::Done => true,
-            Answer::Other(body) => body.is_end_stream(),
-            Answer::Message(_) | Answer::Trailers => false,
+            CallBody::Done => true,
+            CallBody::Other(body) => body.is_end_stream(),
+            CallBody::Message(_) | CallBody::Trailers => false,
         }
     }
 }
@@ -504,7 +484,7 @@ mod tests {
             response
         );
 
-        let mut answer = Answer::Message(framed.clone());
+        let mut answer = CallBody::Message(framed.clone());
         let waker = std::task::Waker::noop();
         let mut cx = Context::from_waker(waker);
         let mut next = || match Pin::new(&mut answer).poll_frame(&mut cx) {

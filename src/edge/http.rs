@@ -1,21 +1,12 @@
-//! Serving a port's connections with hyper: each accepted connection (`connections`) is served
-//! on a task of its own until the port stops, then every connection is asked to finish the
-//! calls it has in progress and close (a graceful shutdown: GOAWAY on HTTP/2, `Connection:
-//! close` on HTTP/1), and serving ends once all have. A gRPC connection is also shut down
-//! so once it reaches its maximum age, as the reference's are (`GRPC_MAX_CONNECTION_AGE`).
+//! Serving a port's connections with hyper: each accepted connection (`connections`) on a
+//! task of its own until the port stops, then a graceful shutdown (GOAWAY on HTTP/2,
+//! `Connection: close` on HTTP/1); a gRPC connection also at its maximum age, as the
+//! reference's (`GRPC_MAX_CONNECTION_AGE`).
 //!
-//! The gRPC port is served here too, not by `tonic::transport::Server`, which wraps every
-//! call in layers this service does without, each a cost on every call (together, under
-//! callgrind, about 6 % of a call's instructions on the memory backend, 5 % on Redis): a
-//! boxed clone of the whole service stack and a boxed future, a tracing span, an error
-//! recovery that `grpc` never needs, a `grpc-timeout` read again (`grpc` reads it and bounds
-//! the call, where tonic's layer armed a second timer for each call that carries one, as
-//! Envoy's do), and a `date` header on every answer, which HTTP/2 then checks and encodes,
-//! and which a gRPC client never reads. What tonic's server did that turnstile needs is
-//! here: HTTP/2 keepalive and a cap on concurrent streams, the caller's details (each
-//! connection's stack is made for its peer, in `app::run`), errors of the other services
-//! answered as gRPC statuses (also the stack), the graceful shutdown, and a connection's
-//! maximum age.
+//! The gRPC port is served here, not by `tonic::transport::Server`, whose per-call layers
+//! (a boxed service clone, a tracing span, a second `grpc-timeout` timer, a `date` header)
+//! this service does without (measured in BENCHMARKS.md); what it needs of them (keepalive,
+//! a stream cap, the caller's details, errors as gRPC statuses) is here and in `app::run`.
 
 use std::pin::pin;
 use std::time::Duration;

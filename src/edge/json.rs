@@ -2,7 +2,8 @@
 //!
 //! Field names are accepted in both camelCase and snake_case, enums by name or number and
 //! 64-bit integers as numbers or strings, as proto3 JSON parsers do; answers are camelCase
-//! with default values left out.
+//! with default values left out. By hand because `envoy-types` has no serde: pbjson would
+//! mean generating a second copy of the Envoy types for two messages.
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{

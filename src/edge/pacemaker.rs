@@ -6,8 +6,7 @@
 //! with, and always when it parked with none. Under load a serving thread often parks with
 //! no call waiting, so until its next park every call armed paid a wake-up of its own. With
 //! a timer always due within `PERIOD`, the loop parks with one earlier than any call's
-//! deadline (the shortest Envoy sends by default, 20 ms, is a deadline about 14 ms away),
-//! and arming those wakes nothing. The timer lapses after a period in which no call began:
+//! deadline, and arming those wakes nothing. The timer lapses after a period in which no call began:
 //! an idle process is not woken.
 
 use std::cell::Cell;

@@ -87,7 +87,7 @@ pub fn proto_duration(d: Duration) -> ProtoDuration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
 
     #[test]
     fn shares_follow_demand_and_never_exceed_what_is_free() {
@@ -188,7 +188,7 @@ mod tests {
     #[test]
     fn token_buckets_refill_the_share_per_window_and_hold_its_part_of_the_burst() {
         let limit = Limit {
-            algorithm: Kind::TokenBucket,
+            algorithm: Algorithm::TokenBucket,
             burst: 20,
             ..Limit::fixed(100, Unit::Minute)
         };

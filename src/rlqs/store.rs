@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::share::{self, HYSTERESIS, IDLE_WEIGHT, Others};
 use crate::backend::redis::{Lua, RedisBackend};
 use crate::decision::BackendError;
-use crate::decision::bounded::Room;
+use crate::decision::bounded::Capacity;
 
 static SHARE_SCRIPT: LazyLock<Lua> =
     LazyLock::new(|| Lua::new(include_str!("../../lua/rlqs_share.lua")));
@@ -103,7 +103,7 @@ pub struct MemoryShares {
 #[derive(Default)]
 struct Buckets {
     by_key: HashMap<String, HashMap<u64, Entry>>,
-    room: Room,
+    capacity: Capacity,
 }
 
 /// When a bucket's last entry expires (`None`: it has none).
@@ -126,15 +126,16 @@ impl MemoryShares {
 
     fn share(&self, d: Demand<'_>, ttl: Duration, now: Instant) -> Result<u64, BackendError> {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        let Buckets { by_key, room } = &mut *buckets;
-        if !by_key.contains_key(d.key) && !room.make(by_key, self.max_buckets, now, expiry) {
+        let Buckets { by_key, capacity } = &mut *buckets;
+        if !by_key.contains_key(d.key) && !capacity.make_room(by_key, self.max_buckets, now, expiry)
+        {
             return Err(BackendError::Full(format!(
                 "{} RLQS buckets tracked",
                 by_key.len()
             )));
         }
         // The bucket lasts at least as long as this holder's entry, which may come first.
-        room.kept(Some(now + ttl));
+        capacity.kept(Some(now + ttl));
         let entries = by_key.entry(d.key.to_owned()).or_default();
         entries.retain(|_, e| e.expires > now);
         let idle = d.limit as f64 * IDLE_WEIGHT;
@@ -160,11 +161,11 @@ impl MemoryShares {
 
     pub fn leave(&self, key: &str, holder: u64) {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        let Buckets { by_key, room } = &mut *buckets;
+        let Buckets { by_key, capacity } = &mut *buckets;
         if let Some(entries) = by_key.get_mut(key) {
             entries.remove(&holder);
             // The bucket's expiry may now come sooner.
-            room.clear();
+            capacity.clear();
             if entries.is_empty() {
                 by_key.remove(key);
             }
@@ -220,7 +221,7 @@ mod tests {
             shares.share(report("c"), ttl, now),
             Err(BackendError::Full(_))
         ));
-        // Expired buckets make room.
+        // Expired buckets make capacity.
         let later = now + ttl + Duration::from_millis(1);
         assert!(shares.share(report("c"), ttl, later).is_ok());
     }

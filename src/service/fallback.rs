@@ -232,7 +232,7 @@ impl Fallback {
         let local_left = read.first().map_or(0, |outcome| outcome.remaining);
         if local_left > left {
             let spent = Hit {
-                hits: u64::from(local_left - left),
+                units: u64::from(local_left - left),
                 ..read_hit(scaled)
             };
             // Within what the local limit has left: nothing to answer.
@@ -261,7 +261,7 @@ impl Fallback {
 /// `hit` enforced at no cost: what reads its state.
 fn read_hit(hit: &Hit) -> Hit {
     Hit {
-        hits: 0,
+        units: 0,
         role: Role::Enforce,
         ..hit.clone()
     }
@@ -277,9 +277,9 @@ mod tests {
         Hit {
             key: "k".into(),
             limit: Limit::fixed(limit, Unit::Hour),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         }
     }
 

@@ -103,7 +103,7 @@ impl Learned {
 mod tests {
     use super::*;
     use crate::decision::Role;
-    use crate::decision::limit::{Kind, Unit};
+    use crate::decision::limit::{Algorithm, Unit};
     use std::time::Duration;
 
     const T0: Micros = 1_700_000_020_000_000;
@@ -113,9 +113,9 @@ mod tests {
         Hit {
             key: key.into(),
             limit,
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         }
     }
 
@@ -131,7 +131,7 @@ mod tests {
     fn the_last_answer_is_recalled_once_while_its_window_lasts() {
         let fixed = Limit::fixed(10, Unit::Minute);
         let bucket = Limit {
-            algorithm: Kind::TokenBucket,
+            algorithm: Algorithm::TokenBucket,
             ..fixed
         };
         let learned = Learned::new(100);

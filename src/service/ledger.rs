@@ -18,21 +18,24 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::algorithm::{Micros, window_micros};
-use crate::decision::limit::{Kind, Limit};
+use crate::decision::limit::{Algorithm, Limit};
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
 
 /// Whether a hit's charges can be carried to the backend: the window algorithms', whose
 /// charges add up whatever the limit. A token bucket's state depends on its rate, and a
 /// concurrency limit's leases live in the process that took them.
 pub fn carried(hit: &Hit) -> bool {
-    matches!(hit.limit.algorithm, Kind::FixedWindow | Kind::SlidingWindow)
+    matches!(
+        hit.limit.algorithm,
+        Algorithm::FixedWindow | Algorithm::SlidingWindow
+    )
 }
 
 /// When a charge made at `now` on `limit` stops mattering.
 pub fn matters_until(limit: &Limit, now: Micros) -> Micros {
     let window = window_micros(limit).max(1);
     match limit.algorithm {
-        Kind::FixedWindow => now - now % window + window,
+        Algorithm::FixedWindow => now - now % window + window,
         _ => now + window,
     }
 }
@@ -60,9 +63,9 @@ impl Owed {
                 quota_lease: 0,
                 ..self.limit
             },
-            hits: self.units,
+            units: self.units,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         }
     }
 }
@@ -178,7 +181,7 @@ impl Ledger {
         let mut entries = lock(&self.owed);
         let new = hits
             .iter()
-            .filter(|h| carried(h) && h.hits > 0 && !entries.alone.contains_key(&h.key))
+            .filter(|h| carried(h) && h.units > 0 && !entries.alone.contains_key(&h.key))
             .count();
         if !entries.room(new, self.max, now) {
             return None;
@@ -188,8 +191,8 @@ impl Ledger {
             && charging.charges(hits, verdicts)
         {
             for (hit, verdict) in hits.iter().zip(verdicts) {
-                if verdict.admitted && hit.hits > 0 && carried(hit) {
-                    entries.add(&hit.key, hit.limit, hit.hits, now);
+                if verdict.admitted && hit.units > 0 && carried(hit) {
+                    entries.add(&hit.key, hit.limit, hit.units, now);
                 }
             }
             self.owes.store(entries.owes(), Ordering::Release);
@@ -293,9 +296,9 @@ mod tests {
         Hit {
             key: key.into(),
             limit,
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         }
     }
 
@@ -316,7 +319,7 @@ mod tests {
 
     fn sliding(limit: u32) -> Limit {
         Limit {
-            algorithm: Kind::SlidingWindow,
+            algorithm: Algorithm::SlidingWindow,
             ..Limit::fixed(limit, Unit::Minute)
         }
     }
@@ -326,7 +329,7 @@ mod tests {
         let ledger = Ledger::new(10);
         let fixed = Limit::fixed(10, Unit::Minute);
         let bucket = Limit {
-            algorithm: Kind::TokenBucket,
+            algorithm: Algorithm::TokenBucket,
             ..fixed
         };
         // (hits, verdicts, at): a refused request owes nothing under atomic charging; a
@@ -368,7 +371,7 @@ mod tests {
         let charge = taken[0].hit();
         assert_eq!(
             (
-                charge.hits,
+                charge.units,
                 charge.limit.requests_per_unit,
                 charge.limit.window
             ),

@@ -12,7 +12,7 @@ use crate::config::{DomainRules, Rule, RuleSet};
 use crate::decision::FailurePolicy;
 use crate::decision::key::{Shard, limit_key};
 use crate::decision::limit::Limit;
-use crate::decision::{Hit, LeaseOp, Outcome, Role};
+use crate::decision::{Hit, Outcome, PermitOp, Role};
 use crate::ops::metrics::StatsKey;
 use crate::service::request::{CheckRequest, Descriptor};
 
@@ -78,17 +78,17 @@ pub struct Plan<'a> {
     pub on_backend_error: Option<FailurePolicy>,
 }
 
-/// A concurrency limit's lease: named by the descriptor's last entry (the request), given
+/// A concurrency limit's permit: named by the descriptor's last entry (the request), given
 /// back on negative hits, taken otherwise (unless the call only reads).
-fn lease(descriptor: &Descriptor<'_>, limit: &Limit) -> Option<(LeaseOp, String)> {
+fn permit(descriptor: &Descriptor<'_>, limit: &Limit) -> Option<(PermitOp, String)> {
     if !limit.algorithm.in_flight() {
         return None;
     }
     let (_, id) = descriptor.entries.last()?;
     let op = match (descriptor.release, descriptor.hits) {
-        (true, _) => LeaseOp::Release,
+        (true, _) => PermitOp::Release,
         (false, 0) => return None,
-        (false, _) => LeaseOp::Acquire,
+        (false, _) => PermitOp::Acquire,
     };
     Some((op, (*id).to_owned()))
 }
@@ -298,9 +298,9 @@ impl<'a> Plan<'a> {
         self.hits.push(Hit {
             key,
             limit,
-            hits: descriptor.hits,
+            units: descriptor.hits,
             role,
-            lease: lease(descriptor, &limit),
+            permit: permit(descriptor, &limit),
         });
         self.hits.len() - 1
     }

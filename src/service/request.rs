@@ -1,23 +1,12 @@
 //! The first step of every call: turn a `RateLimitRequest` into a `CheckRequest` that is
-//! known to be well formed and bounded, or refuse it with `INVALID_ARGUMENT` and a message.
+//! known to be well formed and bounded, or refuse it with `INVALID_ARGUMENT` and a message,
+//! so nothing downstream can panic or grow on input.
 //!
-//! Everything after this step may assume non-empty keys, bounded sizes, a valid override
-//! and a cost that fits the arithmetic, so nothing downstream can panic or grow on input.
-//!
-//! To Envoy an error is not a refusal: with its default `failure_mode_deny: false` it lets the
-//! request through. So `INVALID_ARGUMENT` is kept for what Envoy cannot send, and everything
-//! else gets an answer:
-//! - an empty domain (its filter config requires one), no descriptors (it does not call),
-//!   a descriptor without entries (every action set yields at least one entry or drops the
-//!   descriptor), an empty key (its `Entry.key` is validated non-empty), an override unit
-//!   outside the enum (it parses units by name): Envoy never sends these;
-//! - more descriptors, entries or descriptor bytes than `Bounds` allows: resource bounds,
-//!   configurable, whose defaults are far above what Envoy's actions produce (a descriptor
-//!   is a handful of short keys and header or metadata values);
-//! - an override of `requests_per_unit: 0` admits nothing and is answered `OVER_LIMIT`, as
-//!   the reference does (operators block a tenant that way); one with unit `UNKNOWN`, which
-//!   Envoy passes on from dynamic metadata, names no window: it is ignored, so the rules
-//!   in force apply instead of nothing.
+//! To Envoy an error is not a refusal (by default it lets the request through), so
+//! `INVALID_ARGUMENT` is kept for what Envoy never sends (an empty domain or key, no
+//! descriptors or entries, an unknown override unit) and for sizes past `Bounds`, whose
+//! defaults are far above Envoy's. An override of `requests_per_unit: 0` is answered
+//! `OVER_LIMIT`, as the reference does; one with unit `UNKNOWN` is ignored.
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -64,7 +53,7 @@ pub struct Descriptor<'r> {
     pub limit_override: Option<Override>,
     /// Units this descriptor costs; 0 reads without charging.
     pub hits: u64,
-    /// Envoy's negative hits (`is_negative_hits`): a concurrency limit's lease is given back;
+    /// Envoy's negative hits (`is_negative_hits`): a concurrency limit's permit is given back;
     /// other limits only read.
     pub release: bool,
 }
@@ -173,7 +162,7 @@ impl<'r> Descriptor<'r> {
         };
         // A descriptor's own addend wins, including 0 ("check only"). Costs are capped at
         // u32::MAX: any larger cost is over every limit just the same. Negative hits (sent
-        // when a stream ends) charge nothing: they give back a concurrency lease, or read.
+        // when a stream ends) charge nothing: they give back a concurrency permit, or read.
         let hits = if descriptor.is_negative_hits {
             0
         } else {

@@ -98,12 +98,12 @@ impl Job {
         let calls = self.groups.iter().map(|group| {
             let mode = match self.charging {
                 Charging::Nothing => Mode::Check,
-                Charging::Atomic | Charging::PerDescriptor => Mode::Each,
+                Charging::Atomic | Charging::PerDescriptor => Mode::PerDescriptor,
             };
             let mut part = Part::new(mode, self.nonce);
             for &i in group {
                 let (key, hit) = &self.hits[i];
-                part.push(key.clone(), hit, hit.hits, None, self.layout());
+                part.push(key.clone(), hit, hit.units, None, self.layout());
             }
             part
         });
@@ -135,7 +135,7 @@ impl Job {
     /// index within the call; hits that were not charged go with cost 0, which the script
     /// skips.
     async fn refund(&self, verdicts: &[Reply]) {
-        let charged = |i: usize| verdicts[i].outcome.admitted && self.hits[i].1.hits > 0;
+        let charged = |i: usize| verdicts[i].outcome.admitted && self.hits[i].1.units > 0;
         let calls = self
             .groups
             .iter()
@@ -144,7 +144,7 @@ impl Job {
                 let mut part = Part::new(Mode::Refund, self.nonce);
                 for &i in group {
                     let (key, hit) = &self.hits[i];
-                    let cost = if charged(i) { hit.hits } else { 0 };
+                    let cost = if charged(i) { hit.units } else { 0 };
                     let stamp = Some(verdicts[i].stamp);
                     part.push(key.clone(), hit, cost, stamp, self.layout());
                 }

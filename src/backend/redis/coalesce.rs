@@ -1,39 +1,14 @@
 //! Requests that arrive together share script calls, and calls are timed by Redis alone.
 //!
-//! Redis runs scripts one at a time, and the fixed cost of a call (reading the command,
-//! finding the script, entering Lua, the reply; on this side a write, a read and a task)
-//! dwarfs one decision's: a call that decides many requests costs Redis a fraction of that
-//! per decision. So each lane (the one server, or one Cluster slot, since a call's keys must
-//! share a slot) of a runtime's connections (`home`: a serving thread's own, or the I/O
-//! thread's) has at most `connections` calls in flight; requests that arrive meanwhile
-//! queue, and when a call ends, the queue (up to the batch bound) goes in the next one. An
-//! idle lane waits for no timer: its call starts once the thread serving gRPC that queued its
-//! first request has run the requests it read with it (`start`), and takes the queue when it
-//! first runs. A batch of 1 sends every request at once in a call of its own, as many in
-//! flight as there are requests.
-//!
-//! Calls run on the runtime that drives their connections, so a call is timed where its reply
-//! is read. A call is timed from when it is written: [`BackendError::Timeout`] when Redis has
-//! not answered within the call timeout of that. A caller whose wait ran out while its
-//! request was still queued here gets [`BackendError::Late`] instead: the policy's answer,
-//! but no evidence against Redis (once written, the caller waits for the home runtime's
-//! verdict). A call whose timer ran out while that runtime itself was kept from running (a
-//! paused host, a machine short of CPU, a serving thread busy with a long request: Redis'
-//! answer may have waited for us) gets one more call timeout to be read, and is late, not
-//! timed out, if it misses that too. A queued request whose deadline passed, or whose caller
-//! left, is never sent: it could only charge for nothing. The answers of a call on the I/O
-//! thread go back to the serving threads that asked through their mailboxes (`mailbox`): one
-//! wake-up per thread per call, not one per request.
-//!
-//! What a call costs Redis grows with its hits and its keys' bytes, and a request may carry
-//! up to 64 descriptors of 4 KiB each: a call is bounded in both (`MAX_CALL_HITS`,
-//! `MAX_CALL_BYTES`), so none keeps Redis long, and a lane's queue sends the requests that
-//! cost little (`LIGHT_HITS`, `LIGHT_BYTES`: Envoy's usual few short descriptors) ahead of
-//! the rest: a call starts with the light requests waiting, then fills up with the others,
-//! except every other call, which starts with the others (so that they cannot starve). A
-//! client whose requests are costly enough to keep Redis busy then mostly delays its own
-//! requests, which reach their deadlines in the queue (late: the policy's answer, no evidence
-//! against Redis), while a light request waits at most about two calls.
+//! A script call's fixed cost dwarfs one decision's, so each lane (the server, or one
+//! Cluster slot) of a runtime's connections (`threads`) has at most `connections` calls in
+//! flight, and requests that arrive meanwhile go together in the next one; an idle lane waits
+//! for no timer. A call is timed from when it is written, on the runtime that reads its
+//! reply: [`BackendError::Timeout`] is evidence against Redis, while a request whose wait ran
+//! out in this queue, or a call whose runtime could not run, is [`BackendError::Late`].
+//! Calls are bounded in hits and bytes (`MAX_CALL_HITS`, `MAX_CALL_BYTES`), and light
+//! requests (`LIGHT_HITS`, `LIGHT_BYTES`) go ahead of costly ones but every other call, so a
+//! client of costly requests mostly delays its own (measured in BENCHMARKS.md).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -44,15 +19,15 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use super::Shared;
-use super::home::serving_thread;
 use super::mailbox::{Mailbox, Post, RequestAnswer};
 use super::script::{self, Call, Part, Reply};
+use super::threads::serving_thread;
 use crate::algorithm::Micros;
 use crate::backend::lag::Lag;
 use crate::decision::BackendError;
 use crate::decision::deadline::Deadline;
 
-/// Most hits, and bytes of keys and leases, one call carries: a request with more goes alone.
+/// Most hits, and bytes of keys and permits, one call carries: a request with more goes alone.
 const MAX_CALL_HITS: usize = 256;
 const MAX_CALL_BYTES: usize = 64 << 10;
 /// A request with at most this many hits and bytes is light: sent ahead of the others.
@@ -75,7 +50,7 @@ pub(super) struct Lanes {
     single: Arc<Lane>,
     /// Made on first use; a Cluster has at most 16 384 slots.
     slots: Mutex<HashMap<Slot, Arc<Lane>>>,
-    /// How late the home runtime runs (made on it).
+    /// How late its runtime runs (made on it).
     pub(super) lag: Lag,
 }
 
@@ -191,7 +166,7 @@ pub(super) async fn call(
     let written = Arc::new(Mutex::new(None));
     let hits = part.len();
     let here = serving_thread();
-    let at_home = here.as_ref().is_some_and(|h| h.id() == shared.home.id());
+    let on_own = here.as_ref().is_some_and(|h| h.id() == shared.runtime.id());
     let request = Request {
         part,
         at,
@@ -200,7 +175,7 @@ pub(super) async fn call(
         written: Arc::clone(&written),
         answer,
         // Answered on this thread, a request needs no mailbox.
-        mailbox: if at_home { None } else { Mailbox::here() },
+        mailbox: if on_own { None } else { Mailbox::here() },
         retried: false,
     };
     let slot_free = {
@@ -234,25 +209,23 @@ pub(super) async fn call(
             tokio::task::yield_now().await;
             match reply.try_recv() {
                 Ok(answer) => answer,
-                // The home runtime did not time its own call: it could not run.
+                // Its runtime did not time its own call: it could not run.
                 Err(_) => Err(BackendError::Late),
             }
         }
     }
 }
 
-/// Start a call in `lane` (its call slot taken) on its home runtime: from a thread serving
+/// Start a call in `lane` (its call slot taken) on its own runtime: from a thread serving
 /// gRPC (`here`, a current-thread runtime), once that thread has run the tasks it already had
-/// (the rest of the requests it read with this one), elsewhere at once. Started at once, a
-/// call carried the request that found its lane idle alone, while that thread was still
-/// running the ones read with it, which then waited for that call's round trip: at 64 calls
-/// in flight 60 % of calls were of one request. The wait is for no timer, only for work
-/// already on the thread, which the call's answers would have queued behind anyway.
+/// (the rest of the requests it read with this one), elsewhere at once: started at once, a
+/// call would carry the first request alone and the others would wait for its round trip.
+/// The wait is for no timer, only for work already on the thread.
 fn start(shared: &Arc<Shared>, lane: Arc<Lane>, here: Option<Handle>) {
-    let home = &shared.home;
+    let runtime = &shared.runtime;
     match here {
         // Its tasks run in turn: the call's goes after those already there.
-        Some(here) if here.id() == home.id() => {
+        Some(here) if here.id() == runtime.id() => {
             here.spawn(drive(Arc::clone(shared), lane));
         }
         // Run, or dropped unrun when its runtime shuts down, the task drops `start`.
@@ -261,19 +234,19 @@ fn start(shared: &Arc<Shared>, lane: Arc<Lane>, here: Option<Handle>) {
             here.spawn(async move { drop(start) });
         }
         None => {
-            home.spawn(drive(Arc::clone(shared), lane));
+            runtime.spawn(drive(Arc::clone(shared), lane));
         }
     }
 }
 
-/// A lane's call to start on its home runtime when this is dropped, however that happens.
+/// A lane's call to start on its own runtime when this is dropped, however that happens.
 struct Start(Option<(Arc<Shared>, Arc<Lane>)>);
 
 impl Drop for Start {
     fn drop(&mut self) {
         if let Some((shared, lane)) = self.0.take() {
-            let home = shared.home.clone();
-            home.spawn(drive(shared, lane));
+            let runtime = shared.runtime.clone();
+            runtime.spawn(drive(shared, lane));
         }
     }
 }
@@ -452,9 +425,9 @@ mod tests {
         let hit = Hit {
             key: String::new(),
             limit: Limit::fixed(10, Unit::Minute),
-            hits: 1,
+            units: 1,
             role: Role::Enforce,
-            lease: None,
+            permit: None,
         };
         let mut part = Part::new(Mode::Atomic, Nonce::new());
         for n in 0..hits {

@@ -1,19 +1,11 @@
 //! What Redis does with turnstile's keys once it is full, read from its own settings.
 //!
-//! A limit's keys are named after what clients send, so a client that sends a new descriptor
-//! value with every request makes a new key each time, each living out its window. Redis
-//! keeps them until its `maxmemory`, then does what its `maxmemory-policy` says. Under
-//! `noeviction`, Redis' default, it refuses every script: every decision fails
-//! (`backend_full`) and gets the failure policy's answer, so one flooding client would switch
-//! limiting off for everyone. Under an LRU or LFU policy it evicts the keys used least (a
-//! flood's keys, each used once) and goes on deciding; what a flood costs is that an evicted
-//! key's count starts again, as in the memory backend. Without `maxmemory` it grows until its
-//! host stops it. Every key turnstile writes has a TTL, so the `volatile-` policies reach
-//! them all.
-//!
-//! turnstile does not change Redis' settings: it reads them when it connects and every
-//! minute after (they can change, and a failover can bring a master set up otherwise), logs
-//! each master's when they change, and shows them in `turnstile_redis_evicts_when_full`.
+//! Keys are named after what clients send, so a flood of new descriptor values fills Redis.
+//! Under `noeviction` (Redis' default) every script is then refused and every decision gets
+//! the failure policy's answer; under an LRU or LFU policy the flood's keys go first and
+//! deciding goes on (every key has a TTL, so `volatile-` policies reach them all). turnstile
+//! never changes Redis' settings: it reads them at connect and every minute, logs changes,
+//! and shows them in `turnstile_redis_evicts_when_full`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -22,7 +14,7 @@ use std::time::Duration;
 use ::redis::{FromRedisValue, Value};
 
 use super::Shared;
-use super::home::io;
+use super::threads::io;
 use crate::ops::metrics::Metrics;
 
 /// 1 when every master evicts once full; 0 when one refuses writes then or has no bound; not

@@ -11,7 +11,7 @@
 use std::borrow::Cow;
 
 use crate::decision::key::unescape;
-use crate::decision::limit::{Kind, Limit};
+use crate::decision::limit::{Algorithm, Limit};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeyLayout {
@@ -24,9 +24,9 @@ pub enum KeyLayout {
 impl KeyLayout {
     pub(super) const ALL: [KeyLayout; 2] = [KeyLayout::Turnstile, KeyLayout::Reference];
 
-    /// The layout a limit of `kind` is kept in: the reference counts fixed windows only.
-    pub(super) fn of(self, kind: Kind) -> KeyLayout {
-        if kind == Kind::FixedWindow {
+    /// The layout a limit of `algorithm` is kept in: the reference counts fixed windows only.
+    pub(super) fn of(self, algorithm: Algorithm) -> KeyLayout {
+        if algorithm == Algorithm::FixedWindow {
             self
         } else {
             KeyLayout::Turnstile
@@ -59,11 +59,11 @@ impl KeyLayout {
         self.script_name(limit.algorithm)
     }
 
-    /// The script's name for `kind`'s twin in this layout: the one the batch script binds it
+    /// The script's name for `algorithm`'s twin in this layout: the one the batch script binds it
     /// to (see `twins`) and calls ask for.
-    pub(super) fn script_name(self, kind: Kind) -> &'static str {
-        match self.of(kind) {
-            KeyLayout::Turnstile => kind.name(),
+    pub(super) fn script_name(self, algorithm: Algorithm) -> &'static str {
+        match self.of(algorithm) {
+            KeyLayout::Turnstile => algorithm.name(),
             // Only a fixed window is ever kept in the reference's layout.
             KeyLayout::Reference => "fixed_window_reference",
         }
@@ -167,7 +167,7 @@ mod tests {
             "fixed_window_reference"
         );
         let bucket = Limit {
-            algorithm: Kind::TokenBucket,
+            algorithm: Algorithm::TokenBucket,
             ..limit
         };
         assert_eq!(

@@ -1,18 +1,11 @@
 //! Answers go back to the thread that asked for them all at once, one wake-up per thread per
 //! call.
 //!
-//! A serving thread's calls go on its own connections (`home`), and their answers need no
-//! mailbox; but while those are being opened, its calls go on the I/O thread's, whose answers
-//! are given on that thread while each request's caller waits on the serving thread.
-//! Answered one by one, each answer wakes its serving thread (a system call), which runs
-//! that one request and writes its response to the socket (another) before the next answer
-//! arrives: one `writev` per response, where a batch of answers could share one. So a
-//! serving thread has a mailbox: the I/O thread drops all of a call's answers for that thread
-//! in it and wakes it once; the thread hands them to their requests itself (no system call),
-//! runs them all, and its connections write their responses together.
-//!
-//! Only a current-thread runtime (a gRPC serving thread) gets a mailbox: elsewhere a request
-//! has no thread of its own to go back to, and is answered directly.
+//! While a serving thread's own connections are being opened (`threads`), its calls go on
+//! the I/O thread's. Answered one by one, each answer would wake the serving thread and be
+//! written alone; so the I/O thread drops a call's answers for a thread in its mailbox and
+//! wakes it once, and their responses leave together. Only a current-thread runtime (a gRPC
+//! serving thread) has a mailbox; elsewhere a request is answered directly.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,8 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::runtime::Id;
 use tokio::sync::{Notify, oneshot};
 
-use super::home::{running, serving_thread};
 use super::script::Reply;
+use super::threads::{running, serving_thread};
 use crate::decision::BackendError;
 
 /// What a request waits for.

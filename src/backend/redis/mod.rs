@@ -7,7 +7,7 @@
 //! decided on its own. On a Cluster, hits whose limits live in different slots cannot share a
 //! script call; `cluster` reserves them per slot and refunds the reservation when the request
 //! is refused as a whole. Each thread serving gRPC writes and reads its own calls, on
-//! connections of its own (`home`).
+//! connections of its own (`threads`).
 
 mod client;
 mod clock;
@@ -15,13 +15,13 @@ mod cluster;
 mod coalesce;
 mod connect;
 mod eviction;
-mod home;
 mod layout;
 mod mailbox;
 mod script;
 mod sentinel;
 mod slice;
 mod slot_watch;
+mod threads;
 mod twins;
 
 use std::fmt;
@@ -40,10 +40,10 @@ use crate::ops::metrics::Metrics;
 use clock::Clock;
 use coalesce::Lanes;
 use connect::Pool;
-use home::{Homes, run_on};
 pub use layout::KeyLayout;
 pub use script::{Lua, batch_library, batch_source};
 use script::{Mode, Nonce, Part};
+use threads::{ThreadConnections, run_on};
 
 /// How the configured URLs reach the master(s) that hold the state.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -166,14 +166,14 @@ impl fmt::Debug for RedisConfig {
 /// Limit state in Redis. Cheap to clone: clones share the connections.
 #[derive(Clone)]
 pub struct RedisBackend {
-    homes: Arc<Homes>,
+    connections: Arc<ThreadConnections>,
 }
 
-/// One runtime's connections to Redis and what its calls share (`home`: a serving thread's
+/// One runtime's connections to Redis and what its calls share (`threads`: a serving thread's
 /// own, or the I/O thread's), with the tasks it spawns (cluster reservations).
 struct Shared {
     /// The runtime that drives `pool`, runs the calls and times them.
-    home: Handle,
+    runtime: Handle,
     pool: Pool,
     /// How the batch script runs on the pool's servers.
     runner: Arc<script::Runner>,
@@ -212,20 +212,20 @@ impl RedisBackend {
                     .into(),
             ));
         }
-        let homes = Homes::connect(config).await?;
+        let connections = ThreadConnections::connect(config).await?;
         if let Some(slice) = config.io_slice {
             slice::give_io_thread(slice);
         }
-        Ok(RedisBackend { homes })
+        Ok(RedisBackend { connections })
     }
 }
 
 impl Shared {
-    /// Connect on the runtime this runs on, which becomes the home of what it opens.
+    /// Connect on the runtime this runs on, which then drives what it opens.
     async fn open(config: &RedisConfig, learned: Learned) -> Result<Shared, BackendError> {
         let pool = Pool::connect(config, &learned).await?;
         Ok(Shared {
-            home: Handle::current(),
+            runtime: Handle::current(),
             pool,
             runner: learned.runner,
             lanes: Lanes::new(config.batch, config.connections),
@@ -243,7 +243,7 @@ impl RedisBackend {
     /// Read what Redis does once full now and every minute, for as long as this backend
     /// lives: logged, and shown in `turnstile_redis_evicts_when_full` (see `eviction`).
     pub fn watch_eviction(&self, metrics: Arc<Metrics>) {
-        eviction::watch(Arc::downgrade(self.homes.io()), metrics);
+        eviction::watch(Arc::downgrade(self.connections.io()), metrics);
     }
 
     /// Run a script of another module on `<prefix>{<identity>}<suffix>`: a key in the Cluster
@@ -255,11 +255,11 @@ impl RedisBackend {
         suffix: &str,
         args: &[String],
     ) -> Result<i64, BackendError> {
-        let shared = self.homes.here();
+        let shared = self.connections.here();
         let key = layout::tagged(&shared.key_prefix, identity) + suffix;
         let args = args.to_vec();
         let lua = lua.clone();
-        run_on(shared.home.clone(), async move {
+        run_on(shared.runtime.clone(), async move {
             let call = script::run_lua(&shared.pool, &lua, &key, &args);
             shared.bounded(shared.call_timeout, call).await
         })
@@ -280,7 +280,7 @@ impl Shared {
             .flatten()
     }
 
-    /// A command bounded by `bound`, run on the home runtime. No reply in time is
+    /// A command bounded by `bound`, run on its runtime. No reply in time is
     /// [`BackendError::Timeout`], unless this process's own lag explains the wait
     /// ([`Shared::within`]): then [`BackendError::Late`].
     async fn bounded<T>(
@@ -303,7 +303,7 @@ impl Shared {
     }
 
     /// `work`'s output within `bound`, or why not. When the wait ran out while the process was
-    /// kept from running (a paused host, a starved thread: the home runtime's lag explains the
+    /// kept from running (a paused host, a starved thread: its runtime's lag explains the
     /// wait, or this timer itself went off over half a bound late), Redis has most likely
     /// answered meanwhile, its reply unread: `work` gets one more `bound`, timed on a running
     /// process. Failing at once would answer by policy a request Redis decided, and charged,
@@ -372,7 +372,7 @@ impl RedisBackend {
         if hits.is_empty() {
             return Ok(Vec::new());
         }
-        let shared = &self.homes.here();
+        let shared = &self.connections.here();
         let deadline = shared.deadline();
         let keys: Vec<String> = hits.iter().map(|h| shared.redis_key(h)).collect();
         if shared.pool.is_cluster() {
@@ -393,12 +393,12 @@ impl RedisBackend {
         }
         let mode = match charging {
             Charging::Atomic => Mode::Atomic,
-            Charging::PerDescriptor => Mode::Each,
+            Charging::PerDescriptor => Mode::PerDescriptor,
             Charging::Nothing => Mode::Check,
         };
         let mut part = Part::new(mode, Nonce::new());
         for (key, hit) in keys.into_iter().zip(hits) {
-            part.push(key, hit, hit.hits, None, shared.key_layout);
+            part.push(key, hit, hit.units, None, shared.key_layout);
         }
         let slot = shared.slot(&part);
         let replies =
@@ -417,8 +417,8 @@ impl Backend for RedisBackend {
     }
 
     async fn ready(&self) -> bool {
-        let shared = self.homes.here();
-        let ping = run_on(shared.home.clone(), async move {
+        let shared = self.connections.here();
+        let ping = run_on(shared.runtime.clone(), async move {
             let ping = ::redis::cmd("PING");
             let reply = shared.pool.query::<String>(&ping);
             shared.bounded(shared.call_timeout, reply).await
@@ -427,6 +427,6 @@ impl Backend for RedisBackend {
     }
 
     fn switches(&self) -> u64 {
-        self.homes.learned().switches.load(Ordering::Acquire)
+        self.connections.learned().switches.load(Ordering::Acquire)
     }
 }

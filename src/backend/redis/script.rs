@@ -7,7 +7,8 @@
 //! (after SCRIPT FLUSH, a restart or a failover) gets the full text once (EVAL, which also
 //! caches it). Both on whatever connection type, Cluster included: `FCALL` and `EVAL` are
 //! routed by their first key like `EVALSHA`, and a Cluster client sends `FUNCTION LOAD` to
-//! every master.
+//! every master. Not the `redis` crate's `Script`: it has no function library, and it reloads
+//! a lost script with `SCRIPT LOAD` then `EVALSHA` again, one round trip more than `EVAL`.
 
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +20,7 @@ use indexmap::IndexSet;
 use super::connect::Pool;
 use super::{KeyLayout, Wait, twins};
 use crate::algorithm::Micros;
-use crate::decision::{BackendError, Hit, LeaseOp, Outcome, Role};
+use crate::decision::{BackendError, Hit, Outcome, PermitOp, Role};
 
 /// The script text and its SHA-1, and the same as a function library, computed once.
 struct Batch {
@@ -33,12 +34,11 @@ struct Batch {
 
 static BATCH: LazyLock<Batch> = LazyLock::new(|| {
     let driver = include_str!("../../../lua/batch.lua");
-    let source = twins::script(driver);
+    let source = twins::script(driver).expect("lua/batch.lua defines batch, closed at its end");
     let sha1 = sha1_smol::Sha1::from(&source).digest().to_string();
     let function = format!("turnstile_batch_{sha1}");
     Batch {
-        library: twins::library(driver, &function)
-            .expect("lua/batch.lua has the line that opens each call"),
+        library: twins::library(driver, &function),
         source,
         sha1,
         function,
@@ -111,10 +111,10 @@ pub(super) enum Mode {
     /// Charge the admitted hits only if the request passes.
     Atomic,
     /// Charge every admitted hit.
-    Each,
+    PerDescriptor,
     /// Charge nothing.
     Check,
-    /// Undo an `Each` call with the same nonce.
+    /// Undo a `PerDescriptor` call with the same nonce.
     Refund,
 }
 
@@ -123,7 +123,7 @@ impl Mode {
     fn letter(self) -> char {
         match self {
             Mode::Atomic => 'a',
-            Mode::Each => 'e',
+            Mode::PerDescriptor => 'p',
             Mode::Check => 'c',
             Mode::Refund => 'r',
         }
@@ -165,12 +165,12 @@ struct Spec {
     role: &'static str,
 }
 
-/// One hit of a part: its spec, cost, lease (`+<id>` taken, `-<id>` given back) and, for a
+/// One hit of a part: its spec, cost, permit (`+<id>` taken, `-<id>` given back) and, for a
 /// refund, the stamp its charge replied.
 struct PartHit {
     spec: Spec,
     cost: u64,
-    lease: Option<String>,
+    permit: Option<String>,
     stamp: i64,
 }
 
@@ -180,7 +180,7 @@ pub(super) struct Part {
     nonce: Nonce,
     keys: Vec<String>,
     hits: Vec<PartHit>,
-    /// Its keys' and leases' bytes.
+    /// Its keys' and permits' bytes.
     bytes: usize,
 }
 
@@ -195,21 +195,21 @@ impl Part {
         }
     }
 
-    /// Add one hit costing `hits`; a refund passes the `stamp` its charge replied.
+    /// Add one hit costing `cost` units; a refund passes the `stamp` its charge replied.
     pub(super) fn push(
         &mut self,
         key: String,
         hit: &Hit,
-        hits: u64,
+        cost: u64,
         stamp: Option<i64>,
         layout: KeyLayout,
     ) {
         let limit = &hit.limit;
-        let lease = hit.lease.as_ref().map(|(op, id)| match op {
-            LeaseOp::Acquire => format!("+{id}"),
-            LeaseOp::Release => format!("-{id}"),
+        let permit = hit.permit.as_ref().map(|(op, id)| match op {
+            PermitOp::Acquire => format!("+{id}"),
+            PermitOp::Release => format!("-{id}"),
         });
-        self.bytes += key.len() + lease.as_ref().map_or(0, String::len);
+        self.bytes += key.len() + permit.as_ref().map_or(0, String::len);
         self.keys.push(key);
         self.hits.push(PartHit {
             spec: Spec {
@@ -219,8 +219,8 @@ impl Part {
                 burst: limit.burst,
                 role: role_letter(hit.role),
             },
-            cost: hits,
-            lease,
+            cost,
+            permit,
             stamp: stamp.unwrap_or_default(),
         });
     }
@@ -230,7 +230,7 @@ impl Part {
         self.keys.len()
     }
 
-    /// How many bytes of keys and leases it carries.
+    /// How many bytes of keys and permits it carries.
     pub(super) fn bytes(&self) -> usize {
         self.bytes
     }
@@ -305,7 +305,7 @@ impl<'a> Call<'a> {
         cmd.arg(self.at.unwrap_or(0)).arg(self.earliest).arg(specs);
         // Requests in a row alike in mode and hits make a run: its shape goes once, ended by
         // how many requests it holds, then its requests' tickets in one value, then each
-        // request's leases and (refund) stamps.
+        // request's permits and (refund) stamps.
         let mut runs: Vec<(String, &[(&Part, i64)])> = Vec::new();
         let (mut shape, mut start) = (String::new(), 0);
         let mut spec_of = self.spec_of.iter();
@@ -318,8 +318,8 @@ impl<'a> Call<'a> {
                 shape.push_str(digits.format(spec + 1));
                 shape.push(':');
                 shape.push_str(digits.format(hit.cost));
-                if hit.lease.is_some() {
-                    shape.push('L');
+                if hit.permit.is_some() {
+                    shape.push('P');
                 }
             }
             match runs.last_mut() {
@@ -347,8 +347,8 @@ impl<'a> Call<'a> {
             cmd.arg(&tickets);
             for (part, _) in parts {
                 for hit in &part.hits {
-                    if let Some(lease) = &hit.lease {
-                        cmd.arg(lease);
+                    if let Some(permit) = &hit.permit {
+                        cmd.arg(permit);
                     }
                     if part.mode == Mode::Refund {
                         cmd.arg(hit.stamp);
@@ -430,7 +430,7 @@ fn no_functions(err: &RedisError) -> bool {
     }
 }
 
-/// One hit's answer: the verdict and, from an `Each` call, where its charge went (for a
+/// One hit's answer: the verdict and, from a `PerDescriptor` call, where its charge went (for a
 /// refund; 0 from other calls).
 pub(super) struct Reply {
     pub(super) outcome: Outcome,
@@ -438,7 +438,7 @@ pub(super) struct Reply {
 }
 
 /// What the script answered to a call.
-pub(super) struct Answer {
+pub(super) struct ScriptReply {
     /// The script's time on Redis' clock, in microseconds.
     pub(super) redis_now: i64,
     /// Per part, in order: one reply per hit (none for a refund), or None for a decision that
@@ -447,9 +447,9 @@ pub(super) struct Answer {
 }
 
 /// Decode the script's reply to `call`: per part, when decided, per hit its remaining
-/// (`-1 - remaining` if refused), its reset and, from an `Each` part, its stamp; a nil alone
+/// (`-1 - remaining` if refused), its reset and, from a `PerDescriptor` part, its stamp; a nil alone
 /// for a part past its deadline; nothing for a refund; then the time that ends them.
-pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, BackendError> {
+pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<ScriptReply, BackendError> {
     let malformed = || {
         BackendError::Unavailable(format!(
             "the Redis script replied {} values for {} requests",
@@ -466,7 +466,7 @@ pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, Bac
                 replies.push(Some(Vec::new()));
                 continue;
             }
-            Mode::Each => 3,
+            Mode::PerDescriptor => 3,
             Mode::Atomic | Mode::Check => 2,
         };
         if part.len() > 0
@@ -487,7 +487,7 @@ pub(super) fn decode(raw: &[Option<i64>], call: &Call<'_>) -> Result<Answer, Bac
     if !rest.is_empty() {
         return Err(malformed());
     }
-    Ok(Answer { redis_now, replies })
+    Ok(ScriptReply { redis_now, replies })
 }
 
 /// A decided part's replies, `per_hit` values each; None if one is nil.
@@ -518,17 +518,17 @@ fn decode_hits(raw: &[Option<i64>], per_hit: usize) -> Option<Vec<Reply>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::limit::{Kind, Limit, Unit};
+    use crate::decision::limit::{Algorithm, Limit, Unit};
     use ::redis::Arg;
 
     /// Push an enforced hit of `limit` on `key` to `part`.
-    fn push(part: &mut Part, key: &str, limit: Limit, lease: Option<(LeaseOp, &str)>, cost: u64) {
+    fn push(part: &mut Part, key: &str, limit: Limit, permit: Option<(PermitOp, &str)>, cost: u64) {
         let hit = Hit {
             key: String::new(),
             limit,
-            hits: cost,
+            units: cost,
             role: Role::Enforce,
-            lease: lease.map(|(op, id)| (op, id.into())),
+            permit: permit.map(|(op, id)| (op, id.into())),
         };
         let stamp = (part.mode == Mode::Refund).then_some(7);
         part.push(key.into(), &hit, cost, stamp, KeyLayout::Turnstile);
@@ -546,16 +546,28 @@ mod tests {
     #[test]
     fn a_call_sends_each_spec_and_each_run_shape_once_then_its_requests_tickets_together() {
         let minute = Limit::fixed(10, Unit::Minute);
-        let leased = Limit {
-            algorithm: Kind::Concurrency,
+        let with_permit = Limit {
+            algorithm: Algorithm::Concurrency,
             ..minute
         };
         let mut first = Part::new(Mode::Atomic, Nonce(*b"nonce0000001"));
         push(&mut first, "a", minute, None, 1);
-        push(&mut first, "b", leased, Some((LeaseOp::Acquire, "r")), 1);
+        push(
+            &mut first,
+            "b",
+            with_permit,
+            Some((PermitOp::Acquire, "r")),
+            1,
+        );
         let mut second = Part::new(Mode::Refund, Nonce(*b"nonce0000002"));
         push(&mut second, "c", minute, None, 0);
-        push(&mut second, "d", leased, Some((LeaseOp::Release, "r")), 2);
+        push(
+            &mut second,
+            "d",
+            with_permit,
+            Some((PermitOp::Release, "r")),
+            2,
+        );
         let call = Call::new(
             vec![(&first, 0), (&first, 4), (&second, 5), (&first, 3)],
             None,
@@ -564,13 +576,13 @@ mod tests {
             "EVALSHA sha 8 a b a b c d a b",
             // Redis time, the earliest deadline, two specs in one value.
             "0|3|fixed_window 10 60 10 e;concurrency 10 60 10 e;",
-            // Three runs of requests alike: the shape (mode, then spec:cost per hit, L for a
-            // lease, then how many requests in a row share it), then the requests' tickets
-            // (nonce and deadline, 28 characters each), then per request its leases and, in
+            // Three runs of requests alike: the shape (mode, then spec:cost per hit, P for a
+            // permit, then how many requests in a row share it), then the requests' tickets
+            // (nonce and deadline, 28 characters each), then per request its permits and, in
             // a refund, its stamps.
-            "3|a 1:1 2:1L*2|nonce00000010000000000000000nonce00000010000000000000004|+r|+r",
-            "r 1:0 2:2L*1|nonce00000020000000000000005|7|-r|7",
-            "a 1:1 2:1L*1|nonce00000010000000000000003|+r",
+            "3|a 1:1 2:1P*2|nonce00000010000000000000000nonce00000010000000000000004|+r|+r",
+            "r 1:0 2:2P*1|nonce00000020000000000000005|7|-r|7",
+            "a 1:1 2:1P*1|nonce00000010000000000000003|+r",
         ];
         let expected: Vec<&str> = expected
             .iter()
@@ -581,7 +593,7 @@ mod tests {
         let mut same = Part::new(Mode::Atomic, Nonce(*b"nonce0000003"));
         push(&mut same, "e", minute, None, 1);
         push(&mut same, "f", minute, None, 2);
-        push(&mut same, "g", leased, None, 1);
+        push(&mut same, "g", with_permit, None, 1);
         push(&mut same, "h", minute, None, 1);
         let call = Call::new(vec![(&same, 0), (&same, 0)], None);
         assert_eq!(
@@ -609,7 +621,11 @@ mod tests {
             push(&mut part, "b", minute, None, 1);
             part
         };
-        let (atomic, each, refund) = (part(Mode::Atomic), part(Mode::Each), part(Mode::Refund));
+        let (atomic, each, refund) = (
+            part(Mode::Atomic),
+            part(Mode::PerDescriptor),
+            part(Mode::Refund),
+        );
         let call = Call::new(
             vec![(&atomic, 0), (&each, 0), (&refund, 0), (&atomic, 9)],
             None,

@@ -1,28 +1,20 @@
 //! The Redis I/O thread's scheduler slice: how soon it runs when woken.
 //!
-//! The I/O thread works in short bursts (write a call, read its reply, post the answers),
-//! each woken by a thread serving gRPC or by Redis, and every request of a call waits for
-//! it. Linux's scheduler (EEVDF) often puts a thread woken by another on the waker's CPU,
-//! where it waits for the waker's slice to end (1.4 ms by default on 2 CPUs): calls then left
-//! a tenth of a millisecond or more late while the other CPU sat idle. A thread with a
-//! shorter slice has an earlier deadline, so it runs at once when woken; its share of the CPU
-//! is unchanged (that is its weight, its nice value). With a 100 µs slice, on 2 CPUs shared
-//! with Redis and the load generator, decisions/s rose by 3 to 8 % (BENCHMARKS.md). That was
-//! when the thread carried every call; it now carries those of callers off a serving thread,
-//! and a serving thread's until that thread's own connections are open (`home`).
-//!
-//! Linux 6.12 and later take a slice for ordinary threads (`sched_setattr`'s
-//! `sched_runtime`, 0.1 to 100 ms, no privilege needed); earlier kernels ignore it, and other
-//! systems have none. Real-time threads (an operator's `chrt`) keep their policy untouched.
+//! The I/O thread works in short bursts that requests wait for. Linux's scheduler (EEVDF)
+//! often puts a woken thread on its waker's CPU, behind the waker's slice, while another CPU
+//! is idle; a shorter slice gives it an earlier deadline, so it runs at once, with its share
+//! of the CPU unchanged (measured in BENCHMARKS.md). Linux 6.12 and later take a slice for
+//! ordinary threads (`sched_setattr`'s `sched_runtime`, no privilege needed); earlier kernels
+//! ignore it. Real-time threads (an operator's `chrt`) keep their policy untouched.
 
 use std::io;
 use std::time::Duration;
 
-use super::home;
+use super::threads;
 
 /// Give the I/O thread `slice` (from the thread itself, by a task it runs).
 pub(super) fn give_io_thread(slice: Duration) {
-    home::io().spawn(async move {
+    threads::io().spawn(async move {
         if let Err(error) = set_for_this_thread(slice) {
             tracing::debug!(%error, ?slice, "the kernel took no slice for the Redis I/O thread");
         }

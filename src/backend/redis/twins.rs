@@ -1,56 +1,35 @@
 //! The batch script's algorithms: each algorithm's Lua twin, bound to the name the Rust side
-//! calls it by.
+//! calls it by, and the script and function library made of them and `lua/batch.lua`.
 //!
-//! A twin (`Kind::lua`, the file `lua/<name>.lua`) is a chunk that returns its table of
-//! functions, given its key layout as argument. Each takes a spec `s` (the limit, window,
-//! burst and role one or more hits share) and a hit `h` (its key, cost, lease and index, and
-//! the request's nonce if the twin's table says `named = true`: splitting it off costs), and
-//! every verdict is four values: admitted, remaining, reset (us) and stamp.
-//! `prepare(s, now)` works out what all the spec's hits share in this call; `check(s, h,
-//! now)` decides; `commit`, `undo` and `refund` charge, take back within the call, and give
-//! back in a later call (`commit` is also given its run's tickets and `o`, where the
-//! request's own starts: its first characters are random). An optional `take(s, key, cost,
-//! cost_text, tickets, o)` checks a hit that costs something and holds no lease, and
-//! charges it if admitted, in fewer commands than check and commit; it gets the hit's
-//! values as arguments (no hit table is filled for it), may decline a hit by returning
-//! nothing (the driver then checks and commits it), and leaves nothing for `undo`, which
-//! gets the hit in `h` like the others. An optional `finish()` runs once at the end of
-//! every call that made the twin: a write the twin deferred within the call (the fixed
-//! window pays a run of charges on one counter in one `INCRBY`) is made by then; and an
-//! optional `begin()` at the start of every call that finds the twin made: a twin kept
-//! from an earlier call (a function library keeps them, below) forgets what that call
-//! left, even one an error ended. A twin keeps in `s` and `h` what its own functions need
-//! later; the driver never reads it.
+//! A twin (`Algorithm::lua`, the file `lua/<name>.lua`) is a chunk that, given its key
+//! layout, returns its table of functions over a spec `s` (what hits of one limit share) and
+//! a hit `h`; every verdict is four values: admitted, remaining, reset (us) and stamp.
+//! `prepare(s, now)` works out what the spec's hits share in this call; `check` decides;
+//! `commit`, `undo` and `refund` charge, take back within the call, and give back in a
+//! later call. Optional: `take` checks and charges a hit without a permit in fewer commands
+//! (returning nothing declines it), `begin` and `finish` run at the start and end of every
+//! call that made the twin. A twin keeps in `s` and `h` what its own functions need; the
+//! driver never reads it.
 //!
-//! Here each twin is wrapped in a function, defined before the driver's `ALGORITHMS` table
-//! and `algorithm` function exist (so a twin cannot register itself, under its own name or
-//! another), and bound once per layout it serves under `KeyLayout::script_name`, the very
-//! name a call asks for. A call makes only the twins its hits use (`algorithm(name)` makes
-//! one, the first time a call asks for it), which costs less than making them all; a name
-//! nothing is bound to, or a twin that returns no table, is an error naming it. The binding
-//! is code, not a table of twins: a script runs afresh on every call, and every table it
-//! builds is work for Redis' Lua.
-//!
-//! The same text goes to Redis two ways (`script`, `library`). As a script (`EVALSHA`) all of
-//! it runs on every call: the twins are made anew each time, a closure per function, about a
-//! sixth of what a call of one request costs Redis. As a function library (Redis 7's
-//! `FUNCTION LOAD`, then `FCALL`) the driver from its line [`EACH_CALL`] on is the library's
-//! one function, and what comes before it (the twins, `ALGORITHMS`, and the driver's own
-//! first part: what it keeps of the specs and shapes calls send) outlives the call: a twin is
-//! made by the first call that asks for it and kept until the library is loaded again.
+//! Each twin is wrapped in a function defined before the driver's `ALGORITHMS` table (so a
+//! twin cannot register itself) and bound, as code rather than a table, under
+//! `KeyLayout::script_name`; a call makes only the twins its hits use. As a script
+//! (`EVALSHA`) all of it runs on every call; as a function library (`FCALL`) only the
+//! driver's `batch` does, and the twins made by earlier calls are kept (measured in
+//! BENCHMARKS.md).
 
 use std::fmt::Write;
 
 use super::KeyLayout;
-use crate::decision::limit::Kind;
+use crate::decision::limit::Algorithm;
 
-/// Every twin's script name, kind and layout: one per kind and layout it is kept in.
-fn bindings() -> Vec<(&'static str, Kind, KeyLayout)> {
-    let mut bound: Vec<(&str, Kind, KeyLayout)> = Vec::new();
-    for kind in Kind::ALL {
-        for layout in KeyLayout::ALL.map(|l| l.of(kind)) {
-            if !bound.iter().any(|&(_, k, l)| (k, l) == (kind, layout)) {
-                bound.push((layout.script_name(kind), kind, layout));
+/// Every twin's script name, algorithm and layout: one per algorithm and layout it is kept in.
+fn bindings() -> Vec<(&'static str, Algorithm, KeyLayout)> {
+    let mut bound: Vec<(&str, Algorithm, KeyLayout)> = Vec::new();
+    for algorithm in Algorithm::ALL {
+        for layout in KeyLayout::ALL.map(|l| l.of(algorithm)) {
+            if !bound.iter().any(|&(_, k, l)| (k, l) == (algorithm, layout)) {
+                bound.push((layout.script_name(algorithm), algorithm, layout));
             }
         }
     }
@@ -83,51 +62,54 @@ end
 ];
 
 /// The branch of `LOOKUP` that binds `name` (the `n`-th binding) to its twin and layout.
-fn bind(n: usize, name: &str, kind: Kind, layout: KeyLayout) -> String {
+fn bind(n: usize, name: &str, algorithm: Algorithm, layout: KeyLayout) -> String {
     let branch = if n == 0 { "if" } else { "elseif" };
-    let (twin, layout) = (kind.name(), layout.lua_name());
+    let (twin, layout) = (algorithm.name(), layout.lua_name());
     format!("  {branch} name == {name:?} then twin = {twin}_twin({layout:?})\n")
 }
 
-/// The comment that opens the driver's part run on each call. A function library runs what
-/// is above it once, when loaded, where Redis lets code reach neither `redis` nor Lua's
-/// libraries (`string`, `table`): only plain values and tables can be made there.
-pub(super) const EACH_CALL: &str = "-- Each call:";
+/// The line that opens the driver's function `batch`: each call's code, closed by the
+/// driver's last `end`.
+const BATCH: &str = "local function batch(KEYS, ARGV)\n";
 
-/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver`.
-pub(super) fn script(driver: &str) -> String {
+/// The whole batch script: the twins, the `ALGORITHMS` table binding them, then `driver` with
+/// `batch`'s body at the top level, where what it reads of the code above is in registers
+/// rather than upvalues (a script runs all of it on every call anyway). None if `driver` has
+/// no `batch` closed at its end.
+pub(super) fn script(driver: &str) -> Option<String> {
+    let (kept, body) = driver.split_once(BATCH)?;
+    let body = body.trim_end().strip_suffix("end")?;
     let mut source = twins();
-    source.push_str(driver);
-    source
+    source.push_str(kept);
+    source.push_str("local KEYS, ARGV = KEYS, ARGV\n");
+    source.push_str(body);
+    Some(source)
 }
 
-/// The batch script as a function library named `name` (its one function has the same name):
-/// the twins, `ALGORITHMS` and the driver's part above [`EACH_CALL`], kept between calls, then
-/// the rest of `driver` as the function, given the call's keys and values under the names a
-/// script knows them by. None if `driver` has no such line.
-pub(super) fn library(driver: &str, name: &str) -> Option<String> {
-    let (kept, each_call) = driver.split_at(driver.find(EACH_CALL)?);
+/// The batch script as a function library named `name`: the twins, `ALGORITHMS` and the
+/// driver, kept between calls, with the driver's `batch` as its one function, of that name.
+/// Code outside `batch` runs once, at load, where Redis lets it reach neither `redis` nor
+/// Lua's libraries (`string`, `table`): only plain values and tables can be made there.
+pub(super) fn library(driver: &str, name: &str) -> String {
     let mut source = format!("#!lua name={name}\n");
     source.push_str(&twins());
-    source.push_str(kept);
-    source.push_str("local function batch(KEYS, ARGV)\n");
-    source.push_str(each_call);
-    let _ = writeln!(source, "end\nredis.register_function('{name}', batch)");
-    Some(source)
+    source.push_str(driver);
+    let _ = writeln!(source, "\nredis.register_function('{name}', batch)");
+    source
 }
 
 /// The twins, each in a function, and the `ALGORITHMS` table and `algorithm` function that
 /// make and keep them.
 fn twins() -> String {
     let mut source = String::new();
-    for kind in Kind::ALL {
-        let _ = writeln!(source, "local {}_twin = function(...)", kind.name());
-        source.push_str(kind.lua());
+    for algorithm in Algorithm::ALL {
+        let _ = writeln!(source, "local {}_twin = function(...)", algorithm.name());
+        source.push_str(algorithm.lua());
         source.push_str("\nend\n");
     }
     source.push_str(LOOKUP[0]);
-    for (n, (name, kind, layout)) in bindings().into_iter().enumerate() {
-        source.push_str(&bind(n, name, kind, layout));
+    for (n, (name, algorithm, layout)) in bindings().into_iter().enumerate() {
+        source.push_str(&bind(n, name, algorithm, layout));
     }
     source.push_str(LOOKUP[1]);
     source
@@ -138,57 +120,62 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kind_and_layout_is_bound_under_the_name_calls_ask_for() {
-        let script = script("-- driver");
-        for kind in Kind::ALL {
+    fn every_algorithm_and_layout_is_bound_under_the_name_calls_ask_for() {
+        let script = script("local function batch(KEYS, ARGV)\n-- driver\nend\n").unwrap();
+        for algorithm in Algorithm::ALL {
             for layout in KeyLayout::ALL {
-                let name = layout.script_name(kind);
-                let twin = format!("{}_twin({:?})", kind.name(), layout.of(kind).lua_name());
+                let name = layout.script_name(algorithm);
+                let twin = format!(
+                    "{}_twin({:?})",
+                    algorithm.name(),
+                    layout.of(algorithm).lua_name()
+                );
                 let binding = format!(" name == {name:?} then twin = {twin}\n");
-                assert!(script.contains(&binding), "{kind} in {layout:?}: {binding}");
+                assert!(
+                    script.contains(&binding),
+                    "{algorithm} in {layout:?}: {binding}"
+                );
             }
         }
-        // One twin per kind, and the fixed window's again in the reference's layout.
+        // One twin per algorithm, and the fixed window's again in the reference's layout.
         let mut names: Vec<&str> = bindings().iter().map(|(name, ..)| *name).collect();
         assert!(names.contains(&"fixed_window_reference"));
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), Kind::ALL.len() + 1, "{names:?}");
-        assert!(script.ends_with(&format!("{}-- driver", LOOKUP[1])));
+        assert_eq!(names.len(), Algorithm::ALL.len() + 1, "{names:?}");
+        assert!(script.ends_with(&format!(
+            "{}local KEYS, ARGV = KEYS, ARGV\n-- driver\n",
+            LOOKUP[1]
+        )));
     }
 
     #[test]
-    fn the_library_is_the_script_with_its_driver_from_each_call_on_as_the_one_function() {
-        let driver = format!("-- kept\n{EACH_CALL}-- driver\n");
-        let (script, library) = (script(&driver), library(&driver, "lib_1"));
-        let twins = script.strip_suffix(&driver).unwrap();
-        let wrapped = format!("local function batch(KEYS, ARGV)\n{EACH_CALL}-- driver\nend\n");
-        let register = "redis.register_function('lib_1', batch)\n";
+    fn the_script_runs_batch_at_its_top_level_and_the_library_registers_it() {
+        let driver = "-- kept\nlocal function batch(KEYS, ARGV)\n  -- each call\nend\n";
+        let script = script(driver).unwrap();
+        let twins = script
+            .strip_suffix("-- kept\nlocal KEYS, ARGV = KEYS, ARGV\n  -- each call\n")
+            .unwrap();
+        let register = "\nredis.register_function('lib_1', batch)\n";
         assert_eq!(
-            library.as_deref(),
-            Some(&*format!(
-                "#!lua name=lib_1\n{twins}-- kept\n{wrapped}{register}"
-            ))
+            library(driver, "lib_1"),
+            format!("#!lua name=lib_1\n{twins}{driver}{register}")
         );
-        assert_eq!(
-            super::library("-- driver\n", "lib_1"),
-            None,
-            "no line opens each call"
-        );
+        assert_eq!(super::script("-- no batch\n"), None);
         let batch = include_str!("../../../lua/batch.lua");
         assert_eq!(
-            batch.matches(EACH_CALL).count(),
+            batch.matches(BATCH).count(),
             1,
-            "batch.lua opens each call once"
+            "batch.lua defines batch once"
         );
     }
 
     #[test]
     fn no_twin_names_the_table_binding_them() {
-        for kind in Kind::ALL {
+        for algorithm in Algorithm::ALL {
             assert!(
-                !kind.lua().contains("ALGORITHMS"),
-                "{kind} names ALGORITHMS"
+                !algorithm.lua().contains("ALGORITHMS"),
+                "{algorithm} names ALGORITHMS"
             );
         }
     }

@@ -1,25 +1,12 @@
 //! Where a backend's Redis I/O runs: on the thread serving the call that needs it.
 //!
-//! A request is read, and its answer written, on a thread serving gRPC (a current-thread
-//! runtime). When one I/O thread wrote every call and read every reply, each call cost two
-//! hops between threads (the call handed over, its answers handed back), each a wake-up of
-//! a thread that, on a host where turnstile shares its CPUs with Redis, had to wait for one.
-//! So each serving thread has its own connections, lanes and timers for each backend
-//! ([`Shared`]), opened in the background at its first call: the calls it serves are written,
-//! read and timed on it, and their answers wake no other thread. (Measured at 64 in flight,
-//! with Redis and the load on the same 2 CPUs: 19–21 % more decisions/s at 16–19 % less of
-//! turnstile's CPU per decision; no change with turnstile and Redis held to one CPU, where
-//! the threads never woke each other across CPUs. BENCHMARKS.md.)
-//!
-//! The process's I/O thread (`io`), on which the backend first connects, serves everyone
-//! else: callers off a serving thread (the admin port's readiness, the eviction watch, a
-//! multi-thread runtime's tasks), and a serving thread's calls while its own connections are
-//! being opened, or after they failed to open (until `RETRY_AFTER` has passed): a call
-//! never waits for a connection to be made.
-//!
-//! A serving thread's timers run on the thread that also serves its calls: one too busy to
-//! read a reply in time is late itself, which its lag tells (`Shared::within`), so a reply
-//! Redis gave in time is not blamed on Redis.
+//! Each serving thread (a current-thread runtime) has its own connections, lanes and timers
+//! for each backend ([`Shared`]), opened in the background at its first call, so a call is
+//! written, read and timed on the thread that serves it and its answer wakes no other thread
+//! (measured in BENCHMARKS.md). The process's I/O thread (`io`) serves everyone else, and a
+//! serving thread's calls while its own connections are not open: a call never waits for a
+//! connection to be made. A thread too busy to read a reply in time is late itself, which
+//! its lag tells (`Shared::within`), so a reply Redis gave in time is not blamed on Redis.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,7 +46,7 @@ pub(super) fn serving_thread() -> Option<Handle> {
 
 /// A backend's connections: the I/O thread's, made when it connects, and each serving
 /// thread's, made at its first call.
-pub(super) struct Homes {
+pub(super) struct ThreadConnections {
     config: RedisConfig,
     learned: Learned,
     io: Arc<Shared>,
@@ -71,7 +58,7 @@ thread_local! {
 }
 
 struct Own {
-    homes: Weak<Homes>,
+    connections: Weak<ThreadConnections>,
     runtime: Id,
     /// False once that runtime has shut down (a thread may run several in turn, as tests do).
     running: Arc<AtomicBool>,
@@ -85,14 +72,16 @@ enum State {
     Failed(Instant),
 }
 
-impl Homes {
+impl ThreadConnections {
     /// Connect on the I/O thread, within `config.connect_timeout`.
-    pub(super) async fn connect(config: &RedisConfig) -> Result<Arc<Homes>, BackendError> {
+    pub(super) async fn connect(
+        config: &RedisConfig,
+    ) -> Result<Arc<ThreadConnections>, BackendError> {
         let learned = Learned::default();
         let (owned, shared) = (config.clone(), learned.clone());
         let open = async move { Shared::open(&owned, shared).await.map(Arc::new) };
         let io = run_on(io().clone(), open).await?;
-        Ok(Arc::new(Homes {
+        Ok(Arc::new(ThreadConnections {
             config: config.clone(),
             learned,
             io,
@@ -119,7 +108,7 @@ impl Homes {
         let open = OWN.with(|own| {
             let mut own = own.borrow_mut();
             let mine = own.iter_mut().find(|o| {
-                o.runtime == runtime && std::ptr::eq(o.homes.as_ptr(), Arc::as_ptr(self))
+                o.runtime == runtime && std::ptr::eq(o.connections.as_ptr(), Arc::as_ptr(self))
             });
             match mine {
                 Some(Own {
@@ -138,9 +127,11 @@ impl Homes {
                 None => {
                     // What a dropped backend, or an ended runtime, left behind: pruned when
                     // an entry is added, not on every call.
-                    own.retain(|o| o.running.load(Ordering::Acquire) && o.homes.strong_count() > 0);
+                    own.retain(|o| {
+                        o.running.load(Ordering::Acquire) && o.connections.strong_count() > 0
+                    });
                     own.push(Own {
-                        homes: Arc::downgrade(self),
+                        connections: Arc::downgrade(self),
                         runtime,
                         running: running(&handle),
                         state: State::Opening,
@@ -156,7 +147,7 @@ impl Homes {
     /// Open this thread's own connections (run on it, so that it drives them), and say so
     /// to the calls that come after.
     fn open_here(self: &Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
-        let homes = Arc::downgrade(self);
+        let connections = Arc::downgrade(self);
         let (config, learned) = (self.config.clone(), self.learned.clone());
         async move {
             let state = match Shared::open(&config, learned).await {
@@ -171,7 +162,7 @@ impl Homes {
                 let mut own = own.borrow_mut();
                 let mine = own
                     .iter_mut()
-                    .find(|o| o.runtime == runtime && Weak::ptr_eq(&o.homes, &homes));
+                    .find(|o| o.runtime == runtime && Weak::ptr_eq(&o.connections, &connections));
                 if let Some(mine) = mine {
                     mine.state = state;
                 }
@@ -212,13 +203,13 @@ pub(super) fn running(runtime: &Handle) -> Arc<AtomicBool> {
     })
 }
 
-/// Run `work` on `home` (so that what it opens is driven, and what it waits for timed,
+/// Run `work` on `runtime` (so that what it opens is driven, and what it waits for timed,
 /// there), started now; the future is its output.
 pub(super) fn run_on<T: Send + 'static>(
-    home: Handle,
+    runtime: Handle,
     work: impl Future<Output = Result<T, BackendError>> + Send + 'static,
 ) -> impl Future<Output = Result<T, BackendError>> {
-    let task = home.spawn(work);
+    let task = runtime.spawn(work);
     async move {
         task.await.unwrap_or_else(|err| {
             Err(BackendError::Unavailable(format!(
