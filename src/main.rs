@@ -57,7 +57,12 @@ fn main() -> ExitCode {
             // The trace exporter needs the runtime; it is flushed when dropped, at exit.
             let telemetry = {
                 let _entered = runtime.enter();
-                telemetry::init(&args.log_level, args.log_format, &args.tracing)
+                let observability = &args.observability;
+                telemetry::init(
+                    &observability.log_level,
+                    observability.log_format,
+                    &observability.tracing,
+                )
             };
             let _telemetry = match telemetry {
                 Ok(telemetry) => telemetry,

@@ -875,7 +875,7 @@ fn docker_compose_mounts_existing_files_and_runs_valid_commands() {
             .iter()
             .filter_map(|v| v.split(':').nth(1))
             .collect();
-        let config = serve.rules.config.as_ref().expect("--config");
+        let config = serve.rules.files.config.as_ref().expect("--config");
         assert!(
             mounted.iter().any(|m| Path::new(m) == config),
             "service {name}: --config {} is not mounted ({mounted:?})",
@@ -885,13 +885,20 @@ fn docker_compose_mounts_existing_files_and_runs_valid_commands() {
             .iter()
             .filter_map(|p| p.rsplit(':').next()?.parse().ok())
             .collect();
-        for port in [defaults.http_port, defaults.grpc_port] {
+        for port in [defaults.http.http_port, defaults.grpc.grpc_port] {
             assert!(
                 published.contains(&port),
                 "service {name}: port {port} not published"
             );
         }
-        let redis = redis_host(serve.redis_url.as_deref().expect("--redis-url"));
+        let redis = redis_host(
+            serve
+                .backend
+                .redis
+                .redis_url
+                .as_deref()
+                .expect("--redis-url"),
+        );
         assert!(
             services.contains_key(redis),
             "service {name}: Redis host {redis} is no service"
@@ -999,8 +1006,8 @@ fn istio_manifests_refer_to_what_exists() {
                 .iter()
                 .filter_map(|p| Some((p["name"].as_str()?, p["containerPort"].as_u64()?)))
                 .collect();
-            assert_eq!(ports.get("grpc"), Some(&u64::from(defaults.grpc_port)));
-            assert_eq!(ports.get("http"), Some(&u64::from(defaults.http_port)));
+            assert_eq!(ports.get("grpc"), Some(&u64::from(defaults.grpc.grpc_port)));
+            assert_eq!(ports.get("http"), Some(&u64::from(defaults.http.http_port)));
             for service in of_kind(&objects, "Service")
                 .filter(|s| s["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"])
             {
