@@ -88,11 +88,12 @@ impl Fallback {
     }
 
     /// Hold the backend's `outcomes` on `hits` to the local share as well, for the keys this
-    /// instance limited alone in windows still running. The other instances may not have
-    /// charged the backend yet with what they admitted alone, and every instance's share
-    /// adds up to what the backend last said was left: so until those windows end, a request
-    /// is admitted only if the backend and the local share both admit it (the backend may
-    /// then have charged a request refused here: counted, never under-counted).
+    /// instance limited alone in windows still running, for a moment after it charged them
+    /// (`ledger::HOLD`). The other instances may not have charged the backend yet with what
+    /// they admitted alone, and every instance's share adds up to what the backend last said
+    /// was left: so meanwhile a request is admitted only if the backend and the local share
+    /// both admit it (the backend may then have charged a request refused here: counted,
+    /// never under-counted).
     pub fn within_share(&self, hits: &[Hit], outcomes: &mut [Outcome], charging: Charging) {
         let now = now_micros();
         let alone: Vec<usize> = (0..hits.len())
@@ -164,6 +165,7 @@ impl Fallback {
                 }
             }
         }
+        self.ledger.settled(now_micros());
         Settled::Done
     }
 

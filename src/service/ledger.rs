@@ -9,17 +9,22 @@
 //! matter, a request that needs a new entry is refused rather than admitted uncounted, so an
 //! outage cannot turn into admissions nobody will ever charge.
 //!
-//! The ledger also keeps which keys were admitted alone, until their windows end: once the
-//! backend is back, those keys stay within this instance's local share too, because the
+//! The ledger also keeps which keys were admitted alone: for a moment after this instance has
+//! charged the backend ([`HOLD`]), those keys stay within its local share too, because the
 //! other instances may not have charged what they admitted alone yet (see `fallback`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::algorithm::{Micros, window_micros};
 use crate::decision::limit::{Algorithm, Limit};
 use crate::decision::{BackendError, Charging, Hit, Outcome, Role};
+
+/// How long keys admitted alone stay within the local share once this instance has charged
+/// what it owed: the other instances learn of a recovery (a failover's announcement, Redis
+/// answering again) at about the same time, and charge theirs at their next call.
+pub const HOLD: Micros = 250_000;
 
 /// Whether a hit's charges can be carried to the backend: the window algorithms', whose
 /// charges add up whatever the limit. A token bucket's state depends on its rate, and a
@@ -78,6 +83,8 @@ pub struct Ledger {
     /// Whether any key was admitted alone in a window that may still run: read on every
     /// request, without the lock.
     any_alone: AtomicBool,
+    /// When this instance last finished charging what it owed; 0 while it still owes.
+    settled_at: AtomicU64,
 }
 
 #[derive(Default)]
@@ -161,6 +168,7 @@ impl Ledger {
             max,
             owes: AtomicBool::new(false),
             any_alone: AtomicBool::new(false),
+            settled_at: AtomicU64::new(0),
         }
     }
 
@@ -198,13 +206,26 @@ impl Ledger {
             self.owes.store(entries.owes(), Ordering::Release);
             self.any_alone
                 .store(!entries.alone.is_empty(), Ordering::Release);
+            self.settled_at.store(0, Ordering::Release);
         }
         Some(decided)
     }
 
-    /// Whether `key` was admitted alone in a window that has not ended at `now`.
+    /// Everything owed has been charged, at `now`: the hold on keys admitted alone starts.
+    pub fn settled(&self, now: Micros) {
+        let _ =
+            self.settled_at
+                .compare_exchange(0, now.max(1), Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Whether `key` was admitted alone in a window that has not ended at `now`, and is still
+    /// held within the local share.
     pub fn alone(&self, key: &str, now: Micros) -> bool {
         if !self.any_alone.load(Ordering::Acquire) {
+            return false;
+        }
+        let settled = self.settled_at.load(Ordering::Acquire);
+        if settled != 0 && now >= settled.saturating_add(HOLD) {
             return false;
         }
         let mut entries = lock(&self.owed);
@@ -412,6 +433,13 @@ mod tests {
         ledger.charged(taken.len());
         assert!(!ledger.owes());
         assert!(ledger.alone("d", t));
+        // Once everything owed is charged, the hold lasts HOLD, then ends within the window;
+        // a new admission alone starts it over.
+        ledger.settled(t);
+        assert!(ledger.alone("d", t + HOLD - 1));
+        assert!(!ledger.alone("d", t + HOLD));
+        assert!(admit(&ledger, &[hit("d", fixed)], &[true], t + HOLD));
+        assert!(ledger.alone("d", t + 2 * HOLD));
         assert!(!ledger.alone("d", t + 60 * SECOND));
         assert!(!ledger.alone("b", t));
     }
