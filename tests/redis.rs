@@ -2440,20 +2440,7 @@ fn each_serving_thread_calls_on_connections_of_its_own() {
     let clients = |count: usize| -> Vec<String> {
         let until = Instant::now() + Duration::from_secs(5);
         loop {
-            let list: String = server.query(&["CLIENT", "LIST"]);
-            let mut clients: Vec<(u64, String)> = list
-                .lines()
-                .filter_map(|line| {
-                    let field = |name: &str| {
-                        line.split(' ')
-                            .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
-                    };
-                    let cmd = field("cmd")?;
-                    (cmd != "client|list")
-                        .then(|| Some((field("id")?.parse().ok()?, cmd.into())))?
-                })
-                .collect();
-            clients.sort();
+            let clients = server.clients();
             if clients.len() == count || Instant::now() > until {
                 return clients.into_iter().map(|(_, cmd)| cmd).collect();
             }
