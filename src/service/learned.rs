@@ -102,22 +102,9 @@ impl Learned {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::Role;
     use crate::decision::limit::{Algorithm, Unit};
+    use crate::service::ledger::tests::{SECOND, T0, hit};
     use std::time::Duration;
-
-    const T0: Micros = 1_700_000_020_000_000;
-    const SECOND: Micros = 1_000_000;
-
-    fn hit(key: &str, limit: Limit) -> Hit {
-        Hit {
-            key: key.into(),
-            limit,
-            units: 1,
-            role: Role::Enforce,
-            permit: None,
-        }
-    }
 
     fn left(remaining: u32) -> Outcome {
         Outcome {

@@ -306,14 +306,16 @@ impl Ledger {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::decision::limit::Unit;
 
-    const T0: Micros = 1_700_000_020_000_000;
-    const SECOND: Micros = 1_000_000;
+    /// A moment 40 s into a minute, and a second, in the backend's microseconds.
+    pub(in crate::service) const T0: Micros = 1_700_000_020_000_000;
+    pub(in crate::service) const SECOND: Micros = 1_000_000;
 
-    fn hit(key: &str, limit: Limit) -> Hit {
+    /// A hit of one unit, enforced, on `key`.
+    pub(in crate::service) fn hit(key: &str, limit: Limit) -> Hit {
         Hit {
             key: key.into(),
             limit,
